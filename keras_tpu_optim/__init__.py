@@ -1,0 +1,15 @@
+"""Keras 3 optimizers for TPU-scale training, on TensorFlow, JAX and PyTorch.
+
+- `Adafactor`: `keras.optimizers.Adafactor`'s API and numbers, in sublinear memory.
+- `EmbeddingAdam`: lazy Adam for embedding tables with the semantics of
+  `tf.tpu.experimental.embedding.Adam`, fast on sparse gradients.
+- `keras_tpu_optim.tpu.to_tpu_embedding`: export an `EmbeddingAdam` to the
+  TPU embedding engines.
+"""
+
+__version__ = "0.1.0"
+
+from keras_tpu_optim.adafactor import Adafactor
+from keras_tpu_optim.embedding_adam import EmbeddingAdam
+
+__all__ = ["Adafactor", "EmbeddingAdam", "__version__"]

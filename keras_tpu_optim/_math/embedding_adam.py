@@ -1,0 +1,80 @@
+"""EmbeddingAdam's per-row update as one pure function (SPEC.md §3).
+
+`row_update` is the single source of truth for the math: the Keras optimizer
+calls it on the gathered rows of a table (or on the whole table), and the TPU
+export hands the very same function to the JAX SparseCore engine as its
+per-row custom optimizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from keras import ops
+
+
+@dataclasses.dataclass(frozen=True)
+class RowUpdateOptions:
+    """The static (trace-time) options of the row update."""
+
+    beta_1: float = 0.9
+    beta_2: float = 0.999
+    epsilon: float = 1e-7
+    sum_inside_sqrt: bool = True
+    gradient_clip_min: Optional[float] = None
+    gradient_clip_max: Optional[float] = None
+    clip_weight_min: Optional[float] = None
+    clip_weight_max: Optional[float] = None
+    weight_decay_factor: Optional[float] = None
+    multiply_weight_decay_factor_by_learning_rate: bool = False
+
+
+def bias_corrected_learning_rate(learning_rate, step, beta_1: float, beta_2: float):
+    """`lr_t = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)`, t = iterations + 1.
+
+    The TPU embedding engines apply no bias correction, so this is also the
+    dynamic learning rate the TPU export feeds them.
+    """
+    return learning_rate * ops.sqrt(1.0 - ops.power(beta_2, step)) / (
+        1.0 - ops.power(beta_1, step)
+    )
+
+
+def clip_between(x, low: Optional[float], high: Optional[float]):
+    """Clip with either bound optional (None = unbounded on that side)."""
+    if low is not None:
+        x = ops.maximum(x, low)
+    if high is not None:
+        x = ops.minimum(x, high)
+    return x
+
+
+def row_update(grad, weight, momenta, velocities, learning_rate, options: RowUpdateOptions):
+    """Adam on rows, with TPU-embedding semantics.
+
+    Args:
+        grad, weight, momenta, velocities: float32 arrays of the same shape
+            (`[rows, dim]`, or any shape whose rows are updated independently).
+        learning_rate: the bias-corrected learning rate `lr_t` (a scalar).
+        options: the static options.
+
+    Returns:
+        `(weight, momenta, velocities)`, the updated rows.
+    """
+    o = options
+    grad = clip_between(grad, o.gradient_clip_min, o.gradient_clip_max)
+    if o.weight_decay_factor is not None:
+        decay = o.weight_decay_factor
+        if o.multiply_weight_decay_factor_by_learning_rate:
+            decay = decay * learning_rate
+        weight = weight - decay * weight
+    momenta = o.beta_1 * momenta + (1.0 - o.beta_1) * grad
+    velocities = o.beta_2 * velocities + (1.0 - o.beta_2) * ops.square(grad)
+    if o.sum_inside_sqrt:
+        denominator = ops.sqrt(velocities + o.epsilon**2)
+    else:
+        denominator = ops.sqrt(velocities) + o.epsilon
+    weight = weight - learning_rate * momenta / denominator
+    weight = clip_between(weight, o.clip_weight_min, o.clip_weight_max)
+    return weight, momenta, velocities

@@ -1,0 +1,54 @@
+"""TensorFlow: `tf.IndexedSlices` gradients, deduplicated, gathered and scattered in place.
+
+Runs eagerly, in `tf.function` and under `jit_compile=True` (XLA bounds the
+dynamic row count), and inside `tf.distribute` replica updates.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+
+def _native(variable):
+    """The tf.Variable behind a Keras variable (TF's optimizer may pass either)."""
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def unique_rows(indices, values, accumulate_duplicates):
+    """Deduplicate a sparse gradient: sum duplicates, or keep the last occurrence."""
+    ids, position = tf.unique(indices)
+    count = tf.shape(ids)[0]
+    if accumulate_duplicates:
+        rows = tf.math.unsorted_segment_sum(values, position, count)
+    else:
+        last = tf.math.unsorted_segment_max(tf.range(tf.shape(indices)[0]), position, count)
+        rows = tf.gather(values, last)
+    return ids, rows
+
+
+def touched_rows(gradient):
+    """Indices of the rows of a dense gradient with any non-zero entry."""
+    nonzero = tf.not_equal(gradient, tf.zeros((), gradient.dtype))
+    if gradient.shape.rank > 1:
+        nonzero = tf.reduce_any(tf.reshape(nonzero, [tf.shape(gradient)[0], -1]), axis=1)
+    return tf.cast(tf.where(nonzero)[:, 0], tf.int32)
+
+
+def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplicates, max_touched_rows):
+    del max_touched_rows  # TF shapes may be dynamic, even under XLA.
+    if isinstance(gradient, tf.IndexedSlices):
+        ids, grad_rows = unique_rows(gradient.indices, gradient.values, accumulate_duplicates)
+    else:
+        ids = touched_rows(gradient)
+        grad_rows = tf.gather(gradient, ids)
+    targets = [_native(variable)] + [_native(s) for s in slots]
+    new_rows = update_rows(grad_rows, *(tf.gather(t, ids) for t in targets))
+    for target, rows in zip(targets, new_rows):
+        target.scatter_update(tf.IndexedSlices(tf.cast(rows, target.dtype), ids))
+
+
+def densify(gradient):
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.convert_to_tensor(gradient)
+    return gradient

@@ -1,0 +1,362 @@
+"""Adam for embedding tables, with the semantics of `tf.tpu.experimental.embedding.Adam`."""
+
+from __future__ import annotations
+
+import functools
+import numbers
+
+import keras
+from keras import ops
+
+from keras_tpu_optim import _common, _sparse
+from keras_tpu_optim._base import OptimizerBase
+from keras_tpu_optim._math import embedding_adam as adam_math
+
+SLOT_NAMES = ("momenta", "velocities")
+
+
+def _normalize_clipvalue(clipvalue):
+    """A scalar c means (-c, c); a (min, max) pair may have None on either side."""
+    if clipvalue is None:
+        return None
+    if isinstance(clipvalue, (tuple, list)):
+        if len(clipvalue) != 2:
+            raise ValueError(
+                "Argument `clipvalue` must be a scalar or a (min, max) tuple. "
+                f"Received: clipvalue={clipvalue!r}"
+            )
+        low, high = (_common.check_number("clipvalue", c, allow_none=True) for c in clipvalue)
+        if low is not None and high is not None and low > high:
+            raise ValueError(
+                f"Argument `clipvalue` must have min <= max. Received: clipvalue={clipvalue!r}"
+            )
+        return (low, high)
+    value = _common.check_number("clipvalue", clipvalue, low=0, low_open=True)
+    return (-value, value)
+
+
+@keras.saving.register_keras_serializable(package="keras_tpu_optim")
+class EmbeddingAdam(OptimizerBase):
+    """Adam for embedding tables: lazy, sparse-fast, TPU-embedding semantics.
+
+    The arguments, defaults and validation of
+    `tf.tpu.experimental.embedding.Adam`, as a Keras 3 optimizer that runs on
+    TensorFlow, JAX and PyTorch and exports to the TPU embedding engines
+    (`keras_tpu_optim.tpu.to_tpu_embedding`) with the same numbers.
+
+    With `lazy_adam=True` (the default) only the rows present in the gradient
+    change: the indices of a sparse gradient (`tf.IndexedSlices`, a torch
+    sparse tensor), or the rows of a dense gradient with any non-zero entry.
+    Untouched rows keep their weights and slots bit for bit, and the cost of a
+    step follows the rows touched, not the size of the table. A "row" is a
+    slice along axis 0 (an element of a rank-1 variable).
+
+    At step `t`, for each updated row, with `lr_t = lr * sqrt(1 - beta_2^t) /
+    (1 - beta_1^t)`:
+
+    ```
+    g  = clip(g, clipvalue)
+    w -= weight_decay_factor * (lr_t if multiply_weight_decay_factor_by_learning_rate else 1) * w
+    m  = beta_1 * m + (1 - beta_1) * g
+    v  = beta_2 * v + (1 - beta_2) * g^2
+    w -= lr_t * m / sqrt(v + epsilon^2)      # sum_inside_sqrt=True
+    w -= lr_t * m / (sqrt(v) + epsilon)      # sum_inside_sqrt=False (TF Addons LazyAdam)
+    w  = clip(w, clip_weight_min, clip_weight_max)
+    ```
+
+    Args:
+        learning_rate: A float, a `keras.optimizers.schedules.LearningRateSchedule`
+            instance, or a callable that takes no arguments and returns the
+            actual value to use. Defaults to `0.001`.
+        beta_1: float in [0, 1), the decay of the first-moment estimates.
+            Defaults to `0.9`.
+        beta_2: float in [0, 1), the decay of the second-moment estimates.
+            Defaults to `0.999`.
+        epsilon: float > 0, a small constant for numerical stability.
+            Defaults to `1e-7`.
+        lazy_adam: bool. Update only the rows present in the gradient (True)
+            or every row, as ordinary Adam (False). Defaults to `True`.
+        sum_inside_sqrt: bool. Divide by `sqrt(v + epsilon^2)` (True) instead of
+            `sqrt(v) + epsilon` (False). Defaults to `True`.
+        use_gradient_accumulation: bool. Sum the gradients of duplicate ids
+            before the update (True). If False the summing pass is skipped and
+            the last occurrence's update wins: faster, less exact (the TPU
+            meaning). Defaults to `True`.
+        clip_weight_min: float or None, the minimum weight after the update;
+            None means -infinity.
+        clip_weight_max: float or None, the maximum weight after the update;
+            None means +infinity.
+        weight_decay_factor: float or None, the weight decay applied to the
+            updated rows before the Adam step; None means no decay.
+        multiply_weight_decay_factor_by_learning_rate: bool or None. If True,
+            the decay is multiplied by the current (bias-corrected) learning
+            rate `lr_t`.
+        slot_variable_creation_fn: None, or a callable
+            `(variable, slot_names, initializers) -> {slot_name: keras.Variable}`
+            that creates the `"momenta"` and `"velocities"` slots (of the
+            variable's shape) itself. To save a model using it, register it
+            with `keras.saving.register_keras_serializable`.
+        clipvalue: None, a positive scalar `c` (clip gradients to `[-c, c]`), or
+            a `(min, max)` tuple where either side may be None (unbounded).
+            Applied after any `clipnorm`/`global_clipnorm` and after duplicate
+            ids are summed.
+        low_dimensional_packing_status: bool, the TPU's packing of tables of
+            dimension 1, 2 and 4. No numerical effect off TPU; carried into the
+            TPU configuration and serialized. Defaults to `False`.
+        max_touched_rows: int or None, the static row capacity of the
+            gather/scatter path for dense gradients under `jax.jit`. A step
+            that touches more rows falls back to a masked whole-table update
+            with the same numbers. None: `min(rows, max(4096, rows // 64))`.
+        weight_decay: float or None, the Keras keyword. Means
+            `weight_decay_factor=weight_decay` with
+            `multiply_weight_decay_factor_by_learning_rate=True`, applied lazily
+            to the updated rows only (Keras's own decay touches every row every
+            step); `exclude_from_weight_decay` is honoured. Cannot be combined
+            with `weight_decay_factor`.
+        clipnorm, global_clipnorm, use_ema, ema_momentum, ema_overwrite_frequency,
+        loss_scale_factor, gradient_accumulation_steps, name: as for every Keras
+            optimizer.
+    """
+
+    def __init__(
+        self,
+        learning_rate=0.001,
+        beta_1=0.9,
+        beta_2=0.999,
+        epsilon=1e-7,
+        lazy_adam=True,
+        sum_inside_sqrt=True,
+        use_gradient_accumulation=True,
+        clip_weight_min=None,
+        clip_weight_max=None,
+        weight_decay_factor=None,
+        multiply_weight_decay_factor_by_learning_rate=None,
+        slot_variable_creation_fn=None,
+        clipvalue=None,
+        low_dimensional_packing_status=False,
+        max_touched_rows=None,
+        weight_decay=None,
+        clipnorm=None,
+        global_clipnorm=None,
+        use_ema=False,
+        ema_momentum=0.99,
+        ema_overwrite_frequency=None,
+        loss_scale_factor=None,
+        gradient_accumulation_steps=None,
+        name="embedding_adam",
+        **kwargs,
+    ):
+        # Validate everything before the base class creates variables.
+        _common.check_number("beta_1", beta_1, low=0, high=1, high_open=True)
+        _common.check_number("beta_2", beta_2, low=0, high=1, high_open=True)
+        _common.check_number("epsilon", epsilon, low=0, low_open=True)
+        for flag in ("lazy_adam", "sum_inside_sqrt", "use_gradient_accumulation", "low_dimensional_packing_status"):
+            _common.check_bool(flag, locals()[flag])
+        _common.check_bool(
+            "multiply_weight_decay_factor_by_learning_rate",
+            multiply_weight_decay_factor_by_learning_rate,
+            allow_none=True,
+        )
+        if not use_gradient_accumulation and not lazy_adam:
+            raise ValueError(
+                "When disabling lazy Adam (`lazy_adam=False`), gradient accumulation must be "
+                "used: set `use_gradient_accumulation=True`."
+            )
+        gradient_clip = _normalize_clipvalue(clipvalue)
+        if gradient_clip is not None and not use_gradient_accumulation:
+            raise ValueError(
+                "Argument `clipvalue` requires `use_gradient_accumulation=True` (gradients are "
+                f"clipped after duplicate ids are summed). Received: clipvalue={clipvalue!r}"
+            )
+        _common.check_number("clip_weight_min", clip_weight_min, allow_none=True)
+        _common.check_number("clip_weight_max", clip_weight_max, allow_none=True)
+        if clip_weight_min is not None and clip_weight_max is not None and clip_weight_min > clip_weight_max:
+            raise ValueError(
+                "Argument `clip_weight_min` must be <= `clip_weight_max`. Received: "
+                f"clip_weight_min={clip_weight_min}, clip_weight_max={clip_weight_max}"
+            )
+        _common.check_number("weight_decay_factor", weight_decay_factor, low=0, allow_none=True)
+        if weight_decay is not None and weight_decay_factor is not None:
+            raise ValueError(
+                "Arguments `weight_decay` and `weight_decay_factor` cannot both be set: "
+                "`weight_decay=x` means `weight_decay_factor=x` with "
+                "`multiply_weight_decay_factor_by_learning_rate=True`."
+            )
+        if slot_variable_creation_fn is not None and not callable(slot_variable_creation_fn):
+            raise ValueError(
+                "Argument `slot_variable_creation_fn` must be callable. "
+                f"Received: slot_variable_creation_fn={slot_variable_creation_fn!r}"
+            )
+        if max_touched_rows is not None and (
+            not isinstance(max_touched_rows, numbers.Integral) or isinstance(max_touched_rows, bool) or max_touched_rows < 1
+        ):
+            raise ValueError(
+                "Argument `max_touched_rows` must be a positive int or None. "
+                f"Received: max_touched_rows={max_touched_rows!r}"
+            )
+        super().__init__(
+            learning_rate=learning_rate,
+            name=name,
+            weight_decay=weight_decay,
+            clipnorm=clipnorm,
+            clipvalue=None,  # Ours: clipped per row, after duplicates are summed.
+            global_clipnorm=global_clipnorm,
+            use_ema=use_ema,
+            ema_momentum=ema_momentum,
+            ema_overwrite_frequency=ema_overwrite_frequency,
+            loss_scale_factor=loss_scale_factor,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            **kwargs,
+        )
+        self.beta_1 = beta_1
+        self.beta_2 = beta_2
+        self.epsilon = epsilon
+        self.lazy_adam = lazy_adam
+        self.sum_inside_sqrt = sum_inside_sqrt
+        self.use_gradient_accumulation = use_gradient_accumulation
+        self.clip_weight_min = clip_weight_min
+        self.clip_weight_max = clip_weight_max
+        self.weight_decay_factor = weight_decay_factor
+        self.multiply_weight_decay_factor_by_learning_rate = multiply_weight_decay_factor_by_learning_rate
+        self.slot_variable_creation_fn = slot_variable_creation_fn
+        self.gradient_clipvalue = clipvalue
+        self._gradient_clip = gradient_clip
+        self.low_dimensional_packing_status = low_dimensional_packing_status
+        self.max_touched_rows = None if max_touched_rows is None else int(max_touched_rows)
+
+    def build(self, var_list):
+        """Create the `momenta` and `velocities` slots of every variable."""
+        if self.built:
+            return
+        super().build(var_list)
+        self._slots = []
+        for var in var_list:
+            if self._overwrite_variable_with_gradient(var):
+                self._slots.append(None)
+            elif self.slot_variable_creation_fn is None:
+                self._slots.append(tuple(_common.add_slot(self, var, name) for name in SLOT_NAMES))
+            else:
+                self._slots.append(self._create_slots_with_user_fn(var))
+
+    def _create_slots_with_user_fn(self, var):
+        initializers = [keras.initializers.Zeros() for _ in SLOT_NAMES]
+        slots = self.slot_variable_creation_fn(var, list(SLOT_NAMES), initializers)
+        if not isinstance(slots, dict) or set(slots) != set(SLOT_NAMES):
+            raise ValueError(
+                "`slot_variable_creation_fn` must return a dict with exactly the keys "
+                f"{list(SLOT_NAMES)}; it returned {slots!r}."
+            )
+        tracked = {id(v) for v in self._variables}
+        for name in SLOT_NAMES:
+            slot = slots[name]
+            if not isinstance(slot, keras.Variable) or tuple(slot.shape) != tuple(var.shape):
+                raise ValueError(
+                    f"`slot_variable_creation_fn` must return keras.Variables of the table's shape "
+                    f"{tuple(var.shape)}; slot '{name}' is {slot!r}."
+                )
+            if id(slot) not in tracked:
+                self._track_variable(slot)
+        return tuple(slots[name] for name in SLOT_NAMES)
+
+    def _apply_weight_decay(self, variables):
+        # Keras's decay would touch every row every step; ours is lazy (update_step).
+        return
+
+    def _row_update_options(self, variable) -> adam_math.RowUpdateOptions:
+        decay, multiply = self.weight_decay_factor, bool(self.multiply_weight_decay_factor_by_learning_rate)
+        if self.weight_decay is not None and self._use_weight_decay(variable):
+            decay, multiply = self.weight_decay, True
+        low, high = self._gradient_clip or (None, None)
+        return adam_math.RowUpdateOptions(
+            beta_1=self.beta_1,
+            beta_2=self.beta_2,
+            epsilon=self.epsilon,
+            sum_inside_sqrt=self.sum_inside_sqrt,
+            gradient_clip_min=low,
+            gradient_clip_max=high,
+            clip_weight_min=self.clip_weight_min,
+            clip_weight_max=self.clip_weight_max,
+            weight_decay_factor=decay,
+            multiply_weight_decay_factor_by_learning_rate=multiply,
+        )
+
+    def bias_corrected_learning_rate(self, learning_rate=None):
+        """`lr_t` of the coming step: the rate the TPU embedding engine is fed."""
+        learning_rate = self.learning_rate if learning_rate is None else learning_rate
+        return adam_math.bias_corrected_learning_rate(
+            ops.cast(learning_rate, "float32"),
+            ops.cast(self.iterations + 1, "float32"),
+            self.beta_1,
+            self.beta_2,
+        )
+
+    def update_step(self, gradient, variable, learning_rate):
+        """Update the rows of `variable` present in `gradient` (all rows if not lazy)."""
+        slots = self._slots[self._get_variable_index(variable)]
+        update_rows = functools.partial(
+            _update_rows_in_float32,
+            learning_rate=self.bias_corrected_learning_rate(learning_rate),
+            options=self._row_update_options(variable),
+        )
+        if self.lazy_adam:
+            _sparse.lazy_row_update(
+                update_rows,
+                gradient,
+                variable,
+                slots,
+                accumulate_duplicates=self.use_gradient_accumulation,
+                max_touched_rows=self.max_touched_rows,
+            )
+        else:
+            _sparse.dense_row_update(update_rows, gradient, variable, slots)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "beta_1": self.beta_1,
+                "beta_2": self.beta_2,
+                "epsilon": self.epsilon,
+                "lazy_adam": self.lazy_adam,
+                "sum_inside_sqrt": self.sum_inside_sqrt,
+                "use_gradient_accumulation": self.use_gradient_accumulation,
+                "clip_weight_min": self.clip_weight_min,
+                "clip_weight_max": self.clip_weight_max,
+                "weight_decay_factor": self.weight_decay_factor,
+                "multiply_weight_decay_factor_by_learning_rate": self.multiply_weight_decay_factor_by_learning_rate,
+                "slot_variable_creation_fn": _common.serialize_callable(
+                    "slot_variable_creation_fn", self.slot_variable_creation_fn
+                ),
+                "clipvalue": (
+                    list(self.gradient_clipvalue)
+                    if isinstance(self.gradient_clipvalue, (tuple, list))
+                    else self.gradient_clipvalue
+                ),
+                "low_dimensional_packing_status": self.low_dimensional_packing_status,
+                "max_touched_rows": self.max_touched_rows,
+            }
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        config["slot_variable_creation_fn"] = _common.deserialize_callable(
+            "slot_variable_creation_fn", config.get("slot_variable_creation_fn"), custom_objects
+        )
+        if isinstance(config.get("clipvalue"), list):
+            config["clipvalue"] = tuple(config["clipvalue"])
+        return super().from_config(config, custom_objects=custom_objects)
+
+
+def _update_rows_in_float32(grad, weight, momenta, velocities, *, learning_rate, options):
+    """The row update on rows of any dtype: computed in float32, cast back."""
+    new_values = adam_math.row_update(
+        ops.cast(grad, "float32"),
+        ops.cast(weight, "float32"),
+        ops.cast(momenta, "float32"),
+        ops.cast(velocities, "float32"),
+        learning_rate,
+        options,
+    )
+    return tuple(ops.cast(new, old.dtype) for new, old in zip(new_values, (weight, momenta, velocities)))
