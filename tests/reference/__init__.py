@@ -1,0 +1,1 @@
+"""Independent references: numpy written from SPEC.md's formulas, never from the package's code."""
