@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keras
 from keras import ops
+from keras.src.backend.common.stateless_scope import in_stateless_scope
 
 from keras_tpu_optim import _common, _sparse
 from keras_tpu_optim._base import OptimizerBase
@@ -147,18 +148,8 @@ class Adafactor(OptimizerBase):
             self._second_moments.append(slots)
             self._momenta.append(None if self.beta_1 is None else _common.add_slot(self, var, "momentum"))
 
-    def update_step(self, gradient, variable, learning_rate):
-        """Update step given gradient and the associated model variable."""
-        index = self._get_variable_index(variable)
-        slots = self._second_moments[index]
-        momentum = self._momenta[index]
-        delta, new_slots, new_momentum = adafactor_math.adafactor_update(
-            ops.cast(_sparse.densify(gradient), "float32"),
-            ops.cast(variable, "float32"),
-            tuple(s.value for s in slots),
-            None if momentum is None else momentum.value,
-            learning_rate=ops.cast(learning_rate, "float32"),
-            step=ops.cast(self.iterations + 1, "float32"),
+    def _hyperparameters(self):
+        return dict(
             beta_2_decay=self.beta_2_decay,
             epsilon_1=self.epsilon_1,
             epsilon_2=self.epsilon_2,
@@ -166,6 +157,34 @@ class Adafactor(OptimizerBase):
             relative_step=self.relative_step,
             multiply_by_parameter_scale=self.multiply_by_parameter_scale,
             beta_1=self.beta_1,
+        )
+
+    def update_step(self, gradient, variable, learning_rate):
+        """Update step given gradient and the associated model variable."""
+        index = self._get_variable_index(variable)
+        slots = self._second_moments[index]
+        momentum = self._momenta[index]
+        if keras.backend.backend() == "torch" and not in_stateless_scope():
+            from keras_tpu_optim._fused import torch as fused_torch
+
+            fused_torch.adafactor_step(
+                _sparse.densify(gradient),
+                variable.value,
+                tuple(s.value for s in slots),
+                None if momentum is None else momentum.value,
+                learning_rate=float(learning_rate),
+                step=float(self.iterations.value.item() + 1),
+                **self._hyperparameters(),
+            )
+            return
+        delta, new_slots, new_momentum = adafactor_math.adafactor_update(
+            ops.cast(_sparse.densify(gradient), "float32"),
+            ops.cast(variable, "float32"),
+            tuple(s.value for s in slots),
+            None if momentum is None else momentum.value,
+            learning_rate=ops.cast(learning_rate, "float32"),
+            step=ops.cast(self.iterations + 1, "float32"),
+            **self._hyperparameters(),
         )
         for slot, value in zip(slots, new_slots):
             self.assign(slot, value)
