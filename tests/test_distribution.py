@@ -1,0 +1,164 @@
+"""Distributed training matches single-device training; optimizer state follows the sharding.
+
+JAX: `keras.distribution` on 8 virtual CPU devices (dev/test.sh sets
+XLA_FLAGS=--xla_force_host_platform_device_count=8). TF: MirroredStrategy over
+2 logical CPU devices, in a subprocess because logical devices must be set
+before TensorFlow initialises.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+
+import keras_tpu_optim as kto
+
+BACKEND = keras.backend.backend()
+STEPS = 3
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 64, size=(64, 4)).astype("int32")
+    targets = rng.normal(size=(64, 1)).astype("float32")
+    return ids, targets
+
+
+def _model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((4,), dtype="int32"),
+            keras.layers.Embedding(64, 16, name="embedding"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(32, name="dense"),
+            keras.layers.Dense(1, name="dense_out"),
+        ]
+    )
+
+
+def _train(make_optimizer, distribution=None):
+    """Build and train under `distribution`; returns (model, optimizer)."""
+    keras.distribution.set_distribution(distribution)
+    try:
+        model = _model()
+        optimizer = make_optimizer()
+        model.compile(optimizer=optimizer, loss="mse")
+        ids, targets = _data()
+        model.fit(ids, targets, batch_size=16, epochs=1, steps_per_epoch=STEPS, verbose=0, shuffle=False)
+        return model, optimizer
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+OPTIMIZERS = {
+    "adafactor": lambda: kto.Adafactor(learning_rate=0.01),
+    "embedding_adam": lambda: kto.EmbeddingAdam(0.01, max_touched_rows=8),
+}
+
+
+def _require_jax_devices():
+    if BACKEND != "jax":
+        pytest.skip(f"keras.distribution runs on the JAX backend; this run is {BACKEND}")
+    if len(keras.distribution.list_devices()) < 8:
+        pytest.skip("needs 8 JAX devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (dev/test.sh sets it)")
+
+
+def _weights(model):
+    return [keras.ops.convert_to_numpy(v) for v in model.trainable_variables]
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_jax_model_parallel_matches_single_device_and_shards_state(name):
+    _require_jax_devices()
+    single = _weights(_train(OPTIMIZERS[name])[0])
+
+    mesh = keras.distribution.DeviceMesh((2, 4), ("batch", "model"), keras.distribution.list_devices())
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*embedding/embeddings"] = ("model", None)
+    layout_map[".*dense/kernel"] = (None, "model")
+    model, optimizer = _train(
+        OPTIMIZERS[name], keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    )
+
+    for got, want in zip(_weights(model), single):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+    paths = {v.path: tuple(v.value.sharding.spec) for v in optimizer.variables}
+
+    def spec(suffix):
+        (match,) = [s for p, s in paths.items() if p.endswith(suffix)]
+        return match
+
+    table, kernel = "_embedding_embeddings", "_dense_kernel"
+    if name == "adafactor":
+        # Each statistic is sharded along the axis it keeps.
+        assert spec(f"{table}_row_second_moment") == ("model",)
+        assert spec(f"{table}_column_second_moment") in ((None,), ())
+        assert spec(f"{kernel}_row_second_moment") in ((None,), ())
+        assert spec(f"{kernel}_column_second_moment") == ("model",)
+    else:
+        for slot in ("momenta", "velocities"):
+            assert spec(f"{table}_{slot}") == ("model", None)
+            assert spec(f"{kernel}_{slot}") == (None, "model")
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_jax_data_parallel_matches_single_device(name):
+    _require_jax_devices()
+    single = _weights(_train(OPTIMIZERS[name])[0])
+    model, _ = _train(OPTIMIZERS[name], keras.distribution.DataParallel())
+    for got, want in zip(_weights(model), single):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+_MIRRORED_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    import keras
+    import keras_tpu_optim as kto
+    sys.path.insert(0, sys.argv[1])
+    from test_distribution import _model, _data, OPTIMIZERS, STEPS
+
+    def train(name, strategy):
+        with strategy.scope():
+            model = _model()
+            model.compile(optimizer=OPTIMIZERS[name](), loss="mse")
+        ids, targets = _data()
+        model.fit(ids, targets, batch_size=16, epochs=1, steps_per_epoch=STEPS, verbose=0, shuffle=False)
+        return [keras.ops.convert_to_numpy(v).tolist() for v in model.trainable_variables]
+
+    out = {}
+    for name in sorted(OPTIMIZERS):
+        mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        out[name] = {"mirrored": train(name, mirrored), "single": train(name, tf.distribute.get_strategy())}
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+def test_tf_mirrored_strategy_matches_single_device():
+    if BACKEND != "tensorflow":
+        pytest.skip(f"tf.distribute.MirroredStrategy needs the TensorFlow backend; this run is {BACKEND}")
+    env = dict(os.environ, KERAS_BACKEND="tensorflow")
+    proc = subprocess.run(
+        [sys.executable, "-c", _MIRRORED_SCRIPT, os.path.dirname(__file__)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT", 1)[1])
+    for name, runs in result.items():
+        for got, want in zip(runs["mirrored"], runs["single"]):
+            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5, err_msg=name)
