@@ -56,8 +56,11 @@ def densify(gradient):
 
 def dense_row_update(update_rows, gradient, variable, slots):
     """Update every row (ordinary, non-lazy Adam)."""
+    from keras import ops
+
     gradient = densify(gradient)
-    new_values = update_rows(gradient, variable.value, *(s.value for s in slots))
+    # TF's optimizer passes native tf.Variables; convert_to_tensor reads either kind.
+    new_values = update_rows(gradient, *(ops.convert_to_tensor(t) for t in (variable, *slots)))
     for target, value in zip((variable, *slots), new_values):
         target.assign(value)
 

@@ -28,10 +28,12 @@ def unique_rows(indices, values, accumulate_duplicates):
 
 
 def touched_rows(gradient):
-    """Indices of the rows of a dense gradient with any non-zero entry."""
-    nonzero = tf.not_equal(gradient, tf.zeros((), gradient.dtype))
-    if gradient.shape.rank > 1:
-        nonzero = tf.reduce_any(tf.reshape(nonzero, [tf.shape(gradient)[0], -1]), axis=1)
+    """Indices of the rows of a dense gradient with any non-zero (or NaN) entry."""
+    if gradient.shape.rank == 1:
+        nonzero = tf.not_equal(gradient, tf.zeros((), gradient.dtype))
+    else:
+        rows = tf.reshape(gradient, [tf.shape(gradient)[0], -1])
+        nonzero = tf.not_equal(tf.reduce_sum(tf.abs(rows), axis=1), tf.zeros((), gradient.dtype))
     return tf.cast(tf.where(nonzero)[:, 0], tf.int32)
 
 
