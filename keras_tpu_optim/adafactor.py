@@ -173,7 +173,7 @@ class Adafactor(OptimizerBase):
                 tuple(s.value for s in slots),
                 None if momentum is None else momentum.value,
                 learning_rate=float(learning_rate),
-                step=float(self.iterations.value.item() + 1),
+                step=float(ops.convert_to_numpy(self.iterations)) + 1.0,
                 **self._hyperparameters(),
             )
             return
