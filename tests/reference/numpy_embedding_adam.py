@@ -1,0 +1,168 @@
+"""EmbeddingAdam in numpy, written from SPEC.md section 3 (not from the package's code).
+
+For every updated row r at step t (1-based)::
+
+    g_r   = clip(g_r, clipvalue)                       (after any clipnorm)
+    lr_t  = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)   (lr: the schedule's value at this step)
+    w_r  -= wd * (lr_t if multiply_by_lr else 1) * w_r (if weight_decay_factor)
+    m_r   = beta_1 m_r + (1 - beta_1) g_r
+    v_r   = beta_2 v_r + (1 - beta_2) g_r^2
+    w_r  -= lr_t * m_r / sqrt(v_r + epsilon^2)         if sum_inside_sqrt
+    w_r  -= lr_t * m_r / (sqrt(v_r) + epsilon)         otherwise
+    w_r   = clip(w_r, clip_weight_min, clip_weight_max)
+
+Lazy: only rows present in the gradient are updated (a sparse gradient's
+indices; for a dense gradient, the rows with any non-zero entry). Not lazy:
+every row. Duplicate indices are summed first with gradient accumulation; without
+it, each occurrence is computed from the pre-step row and the last one wins.
+
+The arithmetic is float64; the weights are stored in `weight_dtype` after each
+step (a float32 computation cast back once, as the SPEC asks for low-precision
+tables, differs from this by at most one rounding of the stored weight).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def bias_corrected_learning_rate(learning_rate, step, beta_1, beta_2):
+    """lr_t = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t), t the 1-based step."""
+    return learning_rate * np.sqrt(1.0 - beta_2**step) / (1.0 - beta_1**step)
+
+
+def clip_gradient(gradient, clipvalue):
+    """A scalar c clips to [-c, c]; a (min, max) pair may leave either side open (None)."""
+    if clipvalue is None:
+        return gradient
+    if isinstance(clipvalue, (tuple, list)):
+        low, high = clipvalue
+    else:
+        low, high = -clipvalue, clipvalue
+    if low is not None:
+        gradient = np.maximum(gradient, low)
+    if high is not None:
+        gradient = np.minimum(gradient, high)
+    return gradient
+
+
+def clip_by_norm(gradient, clipnorm):
+    """Keras's `clipnorm`: scale the whole gradient down to norm `clipnorm` if it is larger."""
+    norm = np.sqrt(np.sum(np.square(gradient, dtype=np.float64)))
+    if norm <= clipnorm:
+        return gradient
+    return gradient * (clipnorm / norm)
+
+
+def adam_row(gradient, weight, momenta, velocities, lr_t, *, beta_1, beta_2, epsilon, sum_inside_sqrt,
+             clip_weight_min, clip_weight_max, weight_decay_factor, multiply_by_learning_rate):
+    """One row (or a stack of rows) of SPEC.md section 3, after gradient clipping."""
+    if weight_decay_factor is not None:
+        decay = weight_decay_factor * (lr_t if multiply_by_learning_rate else 1.0)
+        weight = weight - decay * weight
+    momenta = beta_1 * momenta + (1.0 - beta_1) * gradient
+    velocities = beta_2 * velocities + (1.0 - beta_2) * np.square(gradient)
+    if sum_inside_sqrt:
+        weight = weight - lr_t * momenta / np.sqrt(velocities + epsilon**2)
+    else:
+        weight = weight - lr_t * momenta / (np.sqrt(velocities) + epsilon)
+    if clip_weight_min is not None:
+        weight = np.maximum(weight, clip_weight_min)
+    if clip_weight_max is not None:
+        weight = np.minimum(weight, clip_weight_max)
+    return weight, momenta, velocities
+
+
+class NumpyEmbeddingAdam:
+    """A stateful reference: holds the table, its momenta and velocities, and the step count.
+
+    `learning_rate` is a float or a function of the 0-based step index (the
+    value Keras passes a `LearningRateSchedule`: its `iterations` before the step).
+    """
+
+    def __init__(self, weights, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, lazy_adam=True,
+                 sum_inside_sqrt=True, use_gradient_accumulation=True, clip_weight_min=None, clip_weight_max=None,
+                 weight_decay_factor=None, multiply_weight_decay_factor_by_learning_rate=None, clipvalue=None,
+                 clipnorm=None, weight_dtype=None):
+        self.weight_dtype = np.dtype(weight_dtype) if weight_dtype is not None else np.asarray(weights).dtype
+        self.weights = np.array(weights, dtype=self.weight_dtype)
+        self.momenta = np.zeros(self.weights.shape, np.float64)
+        self.velocities = np.zeros(self.weights.shape, np.float64)
+        self.iterations = 0
+        self.learning_rate = learning_rate
+        self.lazy_adam = lazy_adam
+        self.use_gradient_accumulation = use_gradient_accumulation
+        self.clipvalue = clipvalue
+        self.clipnorm = clipnorm
+        self.row_options = dict(
+            beta_1=beta_1, beta_2=beta_2, epsilon=epsilon, sum_inside_sqrt=sum_inside_sqrt,
+            clip_weight_min=clip_weight_min, clip_weight_max=clip_weight_max,
+            weight_decay_factor=weight_decay_factor,
+            multiply_by_learning_rate=bool(multiply_weight_decay_factor_by_learning_rate),
+        )
+
+    def _lr_t(self):
+        lr = self.learning_rate(self.iterations) if callable(self.learning_rate) else self.learning_rate
+        options = self.row_options
+        return bias_corrected_learning_rate(lr, self.iterations + 1, options["beta_1"], options["beta_2"])
+
+    def _update(self, rows, row_gradients):
+        """Update `rows` (unique, sorted or not) with their (already combined) gradients."""
+        lr_t = self._lr_t()
+        weight = self.weights.astype(np.float64)
+        new_w, new_m, new_v = adam_row(
+            clip_gradient(row_gradients, self.clipvalue), weight[rows], self.momenta[rows],
+            self.velocities[rows], lr_t, **self.row_options,
+        )
+        weight[rows] = new_w
+        self.momenta[rows] = new_m
+        self.velocities[rows] = new_v
+        self.weights = weight.astype(self.weight_dtype)
+        self.iterations += 1
+
+    def apply_dense(self, gradient):
+        """A dense gradient: touched rows are those with any non-zero entry (all rows if not lazy)."""
+        gradient = np.asarray(gradient, np.float64)
+        if self.clipnorm is not None:
+            gradient = clip_by_norm(gradient, self.clipnorm)
+        if self.lazy_adam:
+            nonzero = gradient != 0
+            touched = nonzero if gradient.ndim == 1 else nonzero.reshape(gradient.shape[0], -1).any(axis=1)
+            rows = np.flatnonzero(touched)
+        else:
+            rows = np.arange(gradient.shape[0])
+        self._update(rows, gradient[rows])
+
+    def apply_sparse(self, indices, values):
+        """A sparse gradient: rows `indices[i]` get `values[i]`; duplicates per the accumulation mode."""
+        indices = np.asarray(indices).reshape(-1)
+        values = np.asarray(values, np.float64)
+        if not self.lazy_adam:
+            dense = np.zeros(self.weights.shape, np.float64)
+            np.add.at(dense, indices, values)
+            self.apply_dense_all_rows(dense)
+            return
+        if self.use_gradient_accumulation:
+            rows = np.unique(indices)
+            summed = np.zeros((len(rows),) + values.shape[1:], np.float64)
+            np.add.at(summed, np.searchsorted(rows, indices), values)
+            self._update(rows, summed)
+            return
+        # No accumulation: each occurrence is computed from the pre-step row; the last one wins.
+        lr_t = self._lr_t()
+        old_w = self.weights.astype(np.float64)
+        new_weight, new_m, new_v = old_w.copy(), self.momenta.copy(), self.velocities.copy()
+        for position, row in enumerate(indices):
+            w, m, v = adam_row(
+                clip_gradient(values[position], self.clipvalue), old_w[row], self.momenta[row],
+                self.velocities[row], lr_t, **self.row_options,
+            )
+            new_weight[row], new_m[row], new_v[row] = w, m, v
+        self.weights = new_weight.astype(self.weight_dtype)
+        self.momenta, self.velocities = new_m, new_v
+        self.iterations += 1
+
+    def apply_dense_all_rows(self, gradient):
+        """Ordinary (non-lazy) Adam on every row."""
+        gradient = np.asarray(gradient, np.float64)
+        self._update(np.arange(gradient.shape[0]), gradient)

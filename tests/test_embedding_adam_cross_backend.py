@@ -1,0 +1,70 @@
+"""One recommender, trained with EmbeddingAdam on TensorFlow, JAX and torch, ends with the same weights.
+
+SPEC.md section 3: the touched-row rule is the same on every backend (a sparse
+gradient's indices on TensorFlow, the non-zero rows of the dense gradients on JAX
+and torch), so the same model from the same weights gives the same numbers. The
+test launches tests/_cross_backend_recommender.py in one subprocess per backend
+(TensorFlow and torch must not share a process) and runs once, from the JAX session.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+SCRIPT = pathlib.Path(__file__).with_name("_cross_backend_recommender.py")
+BACKENDS = ("tensorflow", "jax", "torch")
+VOCABULARY, DIM, IDS_PER_EXAMPLE, EXAMPLES = 40, 6, 4, 64
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "jax",
+    reason="runs once per suite, from the JAX session: it starts a TensorFlow, a JAX and a torch subprocess itself",
+)
+def test_same_recommender_same_weights_on_tensorflow_jax_and_torch(tmp_path):
+    rng = np.random.default_rng(7)
+    initial = {
+        "embedding": rng.uniform(-0.1, 0.1, (VOCABULARY, DIM)).astype(np.float32),
+        "kernel": rng.uniform(-0.5, 0.5, (DIM, 1)).astype(np.float32),
+        "bias": np.zeros((1,), np.float32),
+    }
+    # Ids 30..39 are never looked up: those rows must come back untouched everywhere.
+    ids = rng.integers(0, 30, (EXAMPLES, IDS_PER_EXAMPLE)).astype(np.int32)
+    targets = rng.normal(0.0, 1.0, (EXAMPLES, 1)).astype(np.float32)
+    input_path = tmp_path / "input.npz"
+    np.savez(input_path, ids=ids, targets=targets, **initial)
+
+    repo_root = SCRIPT.parent.parent
+    processes = {}
+    for backend in BACKENDS:
+        env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo_root), env.get("PYTHONPATH")]))
+        processes[backend] = subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(input_path), str(tmp_path / f"{backend}.npz")],
+            env=env, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+    results = {}
+    for backend, process in processes.items():
+        output, _ = process.communicate(timeout=300)
+        assert process.returncode == 0, f"{backend} run failed:\n{output[-4000:]}"
+        results[backend] = dict(np.load(tmp_path / f"{backend}.npz"))
+
+    for backend, result in results.items():
+        assert int(result["iterations"]) == 3 * EXAMPLES // 16, backend
+        # Training really moved the looked-up rows and the dense layer...
+        assert (np.abs(result["embedding"][:30] - initial["embedding"][:30]).max(axis=1) > 1e-4).all(), backend
+        assert not np.allclose(result["kernel"], initial["kernel"]), backend
+        # ...and left the never-looked-up rows bit for bit.
+        np.testing.assert_array_equal(result["embedding"][30:], initial["embedding"][30:], err_msg=backend)
+    for backend in ("tensorflow", "torch"):
+        for name in ("embedding", "kernel", "bias"):
+            np.testing.assert_allclose(
+                results[backend][name], results["jax"][name], rtol=0, atol=1e-5,
+                err_msg=f"{name}: {backend} vs jax",
+            )
