@@ -1,8 +1,16 @@
-"""The base class both optimizers share: input checks before anything is updated."""
+"""The base class both optimizers share: input checks before anything is updated,
+safe configs, state that cannot be loaded into the wrong optimizer, and an
+optional skip of steps with non-finite gradients."""
 
 from __future__ import annotations
 
+import warnings
+
 import keras
+import numpy as np
+from keras import ops
+
+from keras_tpu_optim import _common, _saving
 
 
 def _static_shape(gradient, variable):
@@ -14,8 +22,62 @@ def _static_shape(gradient, variable):
     return tuple(gradient.shape)
 
 
+def _gradient_values(gradient):
+    """The stored values of a gradient: a sparse gradient's values, a dense one itself."""
+    values = getattr(gradient, "values", None)
+    if values is not None and hasattr(gradient, "indices") and not callable(values):
+        return values  # tf.IndexedSlices
+    if getattr(gradient, "is_sparse", False):
+        return gradient._values()  # torch sparse COO (duplicates do not matter here)
+    return gradient
+
+
+def _unscale(gradient, scale):
+    if gradient is None:
+        return None
+    values = getattr(gradient, "values", None)
+    if values is not None and hasattr(gradient, "indices") and not callable(values):
+        return type(gradient)(values / scale, gradient.indices, gradient.dense_shape)  # tf.IndexedSlices
+    return gradient / scale
+
+
+def all_finite(grads):
+    """A scalar boolean tensor: every entry of every gradient is finite."""
+    checks = [ops.all(ops.isfinite(_gradient_values(g))) for g in grads if g is not None]
+    if not checks:
+        return ops.convert_to_tensor(True)
+    return ops.all(ops.stack(checks))
+
+
 class OptimizerBase(keras.optimizers.Optimizer):
-    """Adds what Keras leaves unchecked: every check runs before any variable changes."""
+    """What both optimizers add to `keras.optimizers.Optimizer`.
+
+    - Every check runs before any variable changes: hyperparameters in the
+      constructor; variable dtypes in `build`; an empty gradient list, a
+      gradient whose shape differs from its variable's and a learning rate that
+      is not a scalar in `apply`.
+    - A callable `learning_rate` is saved by its registered name, so a saved
+      model loads with `safe_mode=True`; an unregistered one cannot be saved
+      (a ValueError says so) rather than needing `safe_mode=False` to load.
+    - The saved optimizer state carries a signature of its variables; loading
+      it into one of ours built differently raises a ValueError naming the
+      difference (Keras would warn and skip, or assign silently).
+    - `skip_nonfinite_updates` (keyword, default False): if True, a step whose
+      gradients contain a NaN or an Inf changes nothing at all — model
+      variables, slots, EMA, gradient accumulators and `iterations` stay as
+      they were (as under `LossScaleOptimizer` and optax's `apply_if_finite`),
+      so a learning-rate schedule does not advance either. Implemented with
+      `ops.cond`, so it compiles under `jax.jit` and `tf.function`. Off, a
+      non-finite gradient propagates into the variables as with any Keras
+      optimizer.
+    """
+
+    def __init__(self, *args, skip_nonfinite_updates=False, **kwargs):
+        _check_base_arguments(*args, **kwargs)
+        super().__init__(*args, **kwargs)
+        self.skip_nonfinite_updates = _common.check_bool("skip_nonfinite_updates", skip_nonfinite_updates)
+
+    # ---------------------------------------------------------------- build
 
     def build(self, var_list):
         for variable in var_list:
@@ -27,8 +89,12 @@ class OptimizerBase(keras.optimizers.Optimizer):
                 )
         super().build(var_list)
 
+    # ---------------------------------------------------------------- apply
+
     def apply(self, grads, trainable_variables=None):
-        grads = list(grads)
+        # NumPy gradients work with Keras's optimizers on every backend; make
+        # them backend tensors once, so the torch paths see torch tensors.
+        grads = [ops.convert_to_tensor(g) if isinstance(g, np.ndarray) else g for g in grads]
         if not grads:
             raise ValueError(
                 f"{type(self).__name__}.apply() received an empty list of gradients; "
@@ -47,4 +113,189 @@ class OptimizerBase(keras.optimizers.Optimizer):
                         f"{type(self).__name__}: the gradient for variable '{variable.path}' "
                         f"has shape {shape}, but the variable has shape {tuple(variable.shape)}."
                     )
-        return super().apply(grads, trainable_variables)
+        self._check_learning_rate_is_scalar()
+        if self.loss_scale_factor is not None:
+            # Keras unscales with `g / scale`, which tf.IndexedSlices does not
+            # support; unscale here, sparse gradients included, instead.
+            grads = [_unscale(g, self.loss_scale_factor) for g in grads]
+            loss_scale_factor, self.loss_scale_factor = self.loss_scale_factor, None
+            try:
+                return self._apply_unscaled(grads, trainable_variables, variables)
+            finally:
+                self.loss_scale_factor = loss_scale_factor
+        return self._apply_unscaled(grads, trainable_variables, variables)
+
+    def _apply_unscaled(self, grads, trainable_variables, variables):
+        if not self.skip_nonfinite_updates:
+            return super().apply(grads, trainable_variables)
+
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(variables)
+            self.built = True
+        finite = all_finite(grads)
+        keras_apply = super().apply
+        if keras.backend.backend() == "jax":
+            # JAX branches must be pure: apply, then keep the old or the new
+            # values of every variable (stateless under jit, eager outside).
+            state = list(self._trainable_variables) + list(self.variables)
+            before = [v.value for v in state]
+            keras_apply(grads, trainable_variables)
+            after = [v.value for v in state]
+            import jax  # Only on the JAX backend.
+
+            kept = jax.lax.cond(finite, lambda: after, lambda: before)
+            for variable, value in zip(state, kept):
+                variable.assign(value)
+            return None
+        # TF (tf.cond: only the taken branch runs, sparse updates stay sparse)
+        # and torch (eager: a Python branch).
+        ops.cond(finite, lambda: keras_apply(grads, trainable_variables), lambda: None)
+        return None
+
+    def _check_learning_rate_is_scalar(self):
+        learning_rate = self.learning_rate
+        shape = tuple(getattr(learning_rate, "shape", ()))
+        if shape:
+            raise ValueError(
+                f"{type(self).__name__}: the learning rate must be a scalar, but "
+                f"{self._learning_rate!r} returned a value of shape {shape}."
+            )
+
+    def finalize_variable_values(self, var_list):
+        """With EMA, install the averages as the model's weights (as Keras does) — as copies.
+
+        Keras assigns each average's own array: on JAX the model variable and its
+        average then share one buffer, and the next `fit` (whose jitted step
+        donates both) fails with "Attempt to donate the same buffer twice".
+        """
+        if not self.use_ema:
+            return
+        if len(var_list) != len(self._model_variables_moving_average):
+            return super().finalize_variable_values(var_list)  # Keras's error.
+        for variable, average in zip(var_list, self._model_variables_moving_average):
+            if average is not None:
+                variable.assign(ops.copy(average.value))
+
+    # ---------------------------------------------------------------- config
+
+    def get_config(self):
+        learning_rate = self._learning_rate
+        is_function = (
+            callable(learning_rate)
+            and not isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule)
+            and not isinstance(learning_rate, keras.Variable)
+        )
+        if is_function:
+            # Keras would save the function's bytecode, loadable only with
+            # safe_mode=False: save its registered name, or refuse.
+            name = _common.serialize_callable("learning_rate", learning_rate)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # Keras's lambda warning, about what we replace.
+                config = super().get_config()
+            config["learning_rate"] = name
+        else:
+            config = super().get_config()
+        config["skip_nonfinite_updates"] = self.skip_nonfinite_updates
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        if isinstance(config.get("learning_rate"), str):
+            config["learning_rate"] = _common.deserialize_callable(
+                "learning_rate", config["learning_rate"], custom_objects
+            )
+        return super().from_config(config, custom_objects=custom_objects)
+
+    # ---------------------------------------------------------------- state
+
+    def save_own_variables(self, store):
+        super().save_own_variables(store)
+        store[_saving.STATE_SIGNATURE_KEY] = _saving.encode(_saving.describe_state(self))
+
+    def load_own_variables(self, store):
+        keys = set(store.keys())
+        signature = (
+            _saving.decode(store[_saving.STATE_SIGNATURE_KEY]) if _saving.STATE_SIGNATURE_KEY in keys else None
+        )
+        if signature is None:
+            # Not our state (e.g. a model trained with keras.optimizers.Adam and
+            # fine-tuned with ours): as Keras does for another optimizer's
+            # state, warn and start fresh — never assign it position by position.
+            if keys:
+                warnings.warn(
+                    f"Skipping variable loading for optimizer '{self.name}': the saved optimizer "
+                    f"state ({len(keys)} variables) was not written by a keras_tpu_optim "
+                    f"optimizer, so it cannot be {type(self).__name__}'s. The optimizer starts fresh.",
+                    stacklevel=2,
+                )
+            return
+        if not self.built:
+            warnings.warn(
+                f"Skipping variable loading for optimizer '{self.name}', because it has not "
+                "been called/built yet. Build it (optimizer.build(model.trainable_variables)) "
+                "before loading to restore its state.",
+                stacklevel=2,
+            )
+            return
+        this_class = keras.saving.get_registered_name(type(self))
+        if signature["class"] != this_class:
+            warnings.warn(
+                f"Skipping variable loading for optimizer '{self.name}': the saved state is "
+                f"{signature['class']}'s, not {this_class}'s. The optimizer starts fresh.",
+                stacklevel=2,
+            )
+            return
+        current = _saving.describe_state(self)
+        pairs, differences = _saving.match_variables(signature, current)
+        if differences:
+            raise _saving.mismatch_error(self, signature, current, differences)
+        variables = self.variables
+        for saved_position, current_position in pairs:
+            variables[current_position].assign(store[str(saved_position)])
+
+
+def _check_base_arguments(
+    learning_rate=None,
+    weight_decay=None,
+    clipnorm=None,
+    clipvalue=None,
+    global_clipnorm=None,
+    use_ema=False,
+    ema_momentum=0.99,
+    ema_overwrite_frequency=None,
+    loss_scale_factor=None,
+    gradient_accumulation_steps=None,
+    name=None,
+    **kwargs,
+):
+    """The ranges Keras's base optimizer leaves unchecked, checked before any variable exists."""
+    if isinstance(learning_rate, (int, float)) and not isinstance(learning_rate, bool):
+        _common.check_number("learning_rate", learning_rate, low=0)
+    _common.check_number("weight_decay", weight_decay, low=0, allow_none=True)
+    _common.check_number("clipnorm", clipnorm, low=0, low_open=True, allow_none=True)
+    _common.check_number("global_clipnorm", global_clipnorm, low=0, low_open=True, allow_none=True)
+    if not isinstance(clipvalue, (tuple, list)):
+        _common.check_number("clipvalue", clipvalue, low=0, low_open=True, allow_none=True)
+    _common.check_bool("use_ema", use_ema)
+    _common.check_number("ema_momentum", ema_momentum, low=0, high=1)
+    if ema_overwrite_frequency is not None and (
+        isinstance(ema_overwrite_frequency, bool)
+        or not isinstance(ema_overwrite_frequency, int)
+        or ema_overwrite_frequency < 1
+    ):
+        raise ValueError(
+            "Argument `ema_overwrite_frequency` must be an int >= 1 or None. "
+            f"Received: ema_overwrite_frequency={ema_overwrite_frequency!r}"
+        )
+    _common.check_number("loss_scale_factor", loss_scale_factor, low=0, low_open=True, allow_none=True)
+    if gradient_accumulation_steps is not None and (
+        isinstance(gradient_accumulation_steps, bool)
+        or not isinstance(gradient_accumulation_steps, int)
+        or gradient_accumulation_steps < 2
+    ):
+        raise ValueError(
+            "Argument `gradient_accumulation_steps` must be an int >= 2 or None. "
+            f"Received: gradient_accumulation_steps={gradient_accumulation_steps!r}"
+        )

@@ -78,8 +78,11 @@ def serialize_callable(argument: str, fn):
     """
     if fn is None:
         return None
-    name = keras.saving.get_registered_name(fn)
-    if keras.saving.get_registered_object(name) is not fn:
+    try:
+        name = keras.saving.get_registered_name(fn)
+    except AttributeError:  # No __name__: a functools.partial, a callable instance.
+        name = None
+    if name is None or keras.saving.get_registered_object(name) is not fn:
         raise ValueError(
             f"Argument `{argument}` ({fn!r}) is not registered serializable, so a saved "
             "config could not restore it safely. Decorate it with "
