@@ -1,0 +1,135 @@
+"""What both TPU exports share: the options no engine can honour, and the learning rate.
+
+Backend-neutral (`keras.ops` only), so both `tpu/tensorflow.py` and
+`tpu/jax.py` use it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import keras
+from keras import ops
+
+from keras_tpu_optim._math import embedding_adam as adam_math
+
+
+def unsupported_option(option: str, value, why: str) -> ValueError:
+    """The ValueError for an option the engine cannot honour, naming it."""
+    return ValueError(
+        f"`to_tpu_embedding` cannot export option `{option}={value!r}`: {why} "
+        f"Unset `{option}` on the EmbeddingAdam that is exported."
+    )
+
+
+def check_keras_options(optimizer, engine: str) -> None:
+    """Raise a ValueError naming the first Keras base option the TPU engine cannot honour.
+
+    The engine sees one table's gradient at a time and keeps only the table
+    and its slots, so anything that needs the whole gradient, a second copy
+    of the weights, or the loss's scale is out of its reach.
+    """
+    if optimizer.clipnorm is not None:
+        raise unsupported_option(
+            "clipnorm",
+            optimizer.clipnorm,
+            f"the {engine} clips gradients per element only (`clipvalue`), never by norm.",
+        )
+    if optimizer.global_clipnorm is not None:
+        raise unsupported_option(
+            "global_clipnorm",
+            optimizer.global_clipnorm,
+            f"the {engine} cannot see the gradients of the other variables to compute their norm.",
+        )
+    if optimizer.use_ema:
+        raise unsupported_option(
+            "use_ema", optimizer.use_ema, f"the {engine} keeps no moving average of the table."
+        )
+    if optimizer.loss_scale_factor is not None:
+        raise unsupported_option(
+            "loss_scale_factor",
+            optimizer.loss_scale_factor,
+            f"the {engine} receives the gradients of the scaled loss and does not unscale them "
+            "(Adam is not scale-invariant through epsilon, clipping and decay).",
+        )
+    if optimizer.gradient_accumulation_steps is not None:
+        raise unsupported_option(
+            "gradient_accumulation_steps",
+            optimizer.gradient_accumulation_steps,
+            f"the {engine} applies every step's gradients at once. (Not to be confused with "
+            "`use_gradient_accumulation`, the summing of duplicate ids.)",
+        )
+    if optimizer.weight_decay is not None and (
+        getattr(optimizer, "_exclude_from_weight_decay", None)
+        or getattr(optimizer, "_exclude_from_weight_decay_pattern", None) is not None
+    ):
+        raise ValueError(
+            "`to_tpu_embedding` cannot export `weight_decay` together with "
+            "`exclude_from_weight_decay(...)`: the export is one table's optimizer and cannot "
+            "tell which variables are excluded. Export an optimizer without exclusions for the "
+            "tables to decay, and one without `weight_decay` for the others."
+        )
+
+
+def weight_decay(optimizer) -> Tuple[Optional[float], Optional[bool]]:
+    """`(weight_decay_factor, multiply_weight_decay_factor_by_learning_rate)` for the engine.
+
+    Keras's `weight_decay=x` is `weight_decay_factor=x` multiplied by the
+    learning rate (SPEC.md §3). Without decay both are None: TF's
+    `TPUEmbeddingV2` refuses a table whose multiply flag is merely False.
+    """
+    if optimizer.weight_decay is not None:
+        return float(optimizer.weight_decay), True
+    if optimizer.weight_decay_factor is None:
+        return None, None
+    return optimizer.weight_decay_factor, bool(optimizer.multiply_weight_decay_factor_by_learning_rate)
+
+
+def gradient_clip(optimizer) -> Optional[Tuple[Optional[float], Optional[float]]]:
+    """The `(min, max)` gradient clip, either side None, or None for no clipping."""
+    return getattr(optimizer, "_gradient_clip", None)
+
+
+def row_update_options(optimizer) -> adam_math.RowUpdateOptions:
+    """The row update's static options, for a table (no per-variable decay exclusion)."""
+    decay, multiply = weight_decay(optimizer)
+    low, high = gradient_clip(optimizer) or (None, None)
+    return adam_math.RowUpdateOptions(
+        beta_1=optimizer.beta_1,
+        beta_2=optimizer.beta_2,
+        epsilon=optimizer.epsilon,
+        sum_inside_sqrt=optimizer.sum_inside_sqrt,
+        gradient_clip_min=low,
+        gradient_clip_max=high,
+        clip_weight_min=optimizer.clip_weight_min,
+        clip_weight_max=optimizer.clip_weight_max,
+        weight_decay_factor=decay,
+        multiply_weight_decay_factor_by_learning_rate=bool(multiply),
+    )
+
+
+def learning_rate_at(optimizer, step):
+    """The optimizer's (uncorrected) learning rate when `step` updates have been applied.
+
+    What Keras's `optimizer.learning_rate` returns, but at a given step rather
+    than at `optimizer.iterations`: a schedule is called with `step`, a
+    zero-argument callable is called, a variable or float is read.
+    """
+    learning_rate = optimizer._learning_rate  # The raw value; the property evaluates it at `iterations`.
+    if isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+        return learning_rate(step)
+    if isinstance(learning_rate, keras.Variable):
+        return learning_rate.value
+    if callable(learning_rate):
+        return learning_rate()
+    return learning_rate
+
+
+def bias_corrected_learning_rate_at(optimizer, step):
+    """`lr_t` of the update that follows `step` applied updates (t = step + 1), float32."""
+    return adam_math.bias_corrected_learning_rate(
+        ops.cast(learning_rate_at(optimizer, step), "float32"),
+        ops.cast(step, "float32") + 1.0,
+        optimizer.beta_1,
+        optimizer.beta_2,
+    )

@@ -1,0 +1,88 @@
+"""Export to TensorFlow's TPU embedding engine (`TPUEmbedding`, `TPUEmbeddingV2`, keras-rs)."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from tensorflow.core.protobuf.tpu import optimization_parameters_pb2
+
+from keras_tpu_optim.tpu import _export
+
+_ENGINE = "TPU embedding engine"
+
+
+class TPUEmbeddingAdam(tf.tpu.experimental.embedding.Adam):
+    """`tf.tpu.experimental.embedding.Adam` whose configuration proto builds with protobuf >= 5.
+
+    TF's own `_set_optimization_parameters` assigns the bool
+    `low_dimensional_packing_status` to an enum field, which protobuf 5+
+    rejects with a TypeError (TF 2.21 with protobuf 7). This subclass writes
+    the same fields, with the enum set as an enum. Everything else (slots,
+    load/retrieve ops, `isinstance` checks in TF and keras-rs) is TF's Adam.
+    """
+
+    def _set_optimization_parameters(self, parameters: optimization_parameters_pb2.OptimizationParameters) -> None:
+        accumulation = optimization_parameters_pb2.GradientAccumulationStatus
+        parameters.gradient_accumulation_status = (
+            accumulation.ENABLED if self.use_gradient_accumulation else accumulation.DISABLED
+        )
+        if self.clip_weight_min is not None:
+            parameters.clipping_limits.lower.value = self.clip_weight_min
+        if self.clip_weight_max is not None:
+            parameters.clipping_limits.upper.value = self.clip_weight_max
+        if self.clip_gradient_min is not None:
+            parameters.gradient_clipping_limits.lower.value = self.clip_gradient_min
+        if self.clip_gradient_max is not None:
+            parameters.gradient_clipping_limits.upper.value = self.clip_gradient_max
+        if self.weight_decay_factor:
+            parameters.weight_decay_factor = self.weight_decay_factor
+            if self.multiply_weight_decay_factor_by_learning_rate:
+                parameters.multiply_weight_decay_factor_by_learning_rate = True
+        packing = optimization_parameters_pb2.LowDimensionalPackingStatus
+        parameters.low_dimensional_packing_status = (
+            packing.ENABLED if self.low_dimensional_packing_status else packing.DISABLED
+        )
+        parameters.adam.beta1 = self.beta_1
+        parameters.adam.beta2 = self.beta_2
+        parameters.adam.epsilon = self.epsilon
+        parameters.adam.use_non_lazy_adam = not self.lazy_adam
+        parameters.adam.use_sum_inside_sqrt = self.sum_inside_sqrt
+
+
+class BiasCorrectedLearningRate:
+    """The TPU's dynamic learning rate: `lr_t` of the coming step, read from the Keras optimizer.
+
+    A zero-argument callable, evaluated by the engine inside each training
+    step (`TPUEmbedding.apply_gradients`), so it follows the optimizer's
+    schedule and `iterations`.
+    """
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def __call__(self):
+        return tf.cast(self.optimizer.bias_corrected_learning_rate(), tf.float32)
+
+    def __repr__(self):
+        return f"BiasCorrectedLearningRate({self.optimizer.name!r})"
+
+
+def to_tpu_embedding(optimizer) -> TPUEmbeddingAdam:
+    """See `keras_tpu_optim.tpu.to_tpu_embedding`."""
+    _export.check_keras_options(optimizer, _ENGINE)
+    weight_decay_factor, multiply_by_learning_rate = _export.weight_decay(optimizer)
+    return TPUEmbeddingAdam(
+        learning_rate=BiasCorrectedLearningRate(optimizer),
+        beta_1=optimizer.beta_1,
+        beta_2=optimizer.beta_2,
+        epsilon=optimizer.epsilon,
+        lazy_adam=optimizer.lazy_adam,
+        sum_inside_sqrt=optimizer.sum_inside_sqrt,
+        use_gradient_accumulation=optimizer.use_gradient_accumulation,
+        clip_weight_min=optimizer.clip_weight_min,
+        clip_weight_max=optimizer.clip_weight_max,
+        weight_decay_factor=weight_decay_factor,
+        multiply_weight_decay_factor_by_learning_rate=multiply_by_learning_rate,
+        slot_variable_creation_fn=optimizer.slot_variable_creation_fn,
+        clipvalue=_export.gradient_clip(optimizer),
+        low_dimensional_packing_status=optimizer.low_dimensional_packing_status,
+    )
