@@ -1,0 +1,307 @@
+"""Run both benchmarks on TensorFlow, JAX and torch and write the report.
+
+Each (benchmark, backend) pair runs in its own process with KERAS_BACKEND set
+(TensorFlow and torch never share a process). The scripts write JSON; this
+script collects it into `integration/results/benchmarks.md` (markdown tables of
+ratios against the peers, with the date and the machine) and
+`integration/results/benchmarks.png` (bar chart of the step-time ratios). With
+`--quick` everything is small and goes to `integration/results/quick/` so a smoke
+run never overwrites the real report.
+
+Usage:
+    python integration/run_benchmarks.py [--quick] [--backends tensorflow,jax,torch]
+        [--steps N] [--sizes 100k,1M,10M] [--report-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import bench_common as bc  # noqa: E402
+
+BACKENDS = ("tensorflow", "jax", "torch")
+BENCHES = ("adafactor", "embedding_adam")
+PASS = {True: "PASS", False: "**MISS**", None: "n/a"}
+
+
+def run_all(args, out_dir):
+    """Run every (bench, backend) in a subprocess; return {(bench, backend): returncode}."""
+    status = {}
+    for backend in args.backends:
+        for bench in BENCHES:
+            script = os.path.join(HERE, f"bench_{bench}.py")
+            json_path = os.path.join(out_dir, f"{bench}_{backend}.json")
+            log_path = os.path.join(out_dir, f"{bench}_{backend}.log")
+            if os.path.exists(json_path):
+                os.remove(json_path)
+            cmd = [sys.executable, script, "--json", json_path]
+            if args.quick:
+                cmd.append("--quick")
+            if args.steps:
+                cmd += ["--steps", str(args.steps)]
+            if args.sizes and bench == "embedding_adam":
+                cmd += ["--sizes", args.sizes]
+            env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
+            print(f"\n===== {bench} on {backend}: {' '.join(cmd[1:])}", flush=True)
+            t0 = time.time()
+            with open(log_path, "w") as log:
+                proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for line in proc.stdout:
+                    sys.stdout.write(line)
+                    log.write(line)
+                proc.wait()
+            status[(bench, backend)] = proc.returncode
+            print(f"===== {bench} on {backend}: exit {proc.returncode} after {time.time() - t0:.0f} s", flush=True)
+    return status
+
+
+def load_results(out_dir):
+    res = {}
+    for bench in BENCHES:
+        for backend in BACKENDS:
+            p = os.path.join(out_dir, f"{bench}_{backend}.json")
+            if os.path.exists(p):
+                with open(p) as f:
+                    res[(bench, backend)] = json.load(f)
+    return res
+
+
+def _size(n):
+    if n >= 10**6 and n % 10**6 == 0:
+        return f"{n // 10**6}M"
+    if n >= 10**3 and n % 10**3 == 0:
+        return f"{n // 10**3}k"
+    return str(n)
+
+
+def _f(x, spec=".3f"):
+    return bc.fmt(x, spec)
+
+
+def _md_table(header, rows):
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def write_markdown(results, status, path, quick):
+    machine = next((r["machine"] for r in results.values()), bc.machine_info())
+    keras_version = next((r.get("keras") for r in results.values() if r.get("keras")), "?")
+    lines = [
+        "# Benchmarks" + (" (quick smoke run: tiny sizes, figures meaningless)" if quick else ""),
+        "",
+        f"Measured {machine['date'][:10]} ({machine['date']}) on **{machine['cpu']}, {machine['cores']} cores**, "
+        f"{machine['mem_gib']} GiB RAM; {machine['platform']}, Python {machine['python']}, keras {keras_version}. "
+        "Each benchmark ran on each backend in its own process (`python integration/run_benchmarks.py`). "
+        "Step times are medians; ratios are ours / peer, lower is better. A CPU-only machine: the figures "
+        "describe the CPU paths.",
+        "",
+    ]
+    loads = sorted({tuple(round(x, 1) for x in r["machine"]["loadavg"]) for r in results.values()
+                    if r["machine"].get("loadavg")})
+    if loads:
+        lines += [f"Load average (1/5/15 min) when each run started: {', '.join(str(l) for l in loads)}.", ""]
+    failed = [f"{b} on {k}" for (b, k), rc in status.items() if rc != 0]
+    if failed:
+        lines += [f"**Runs that failed:** {', '.join(failed)} (see the `.log` files next to this report).", ""]
+
+    # ---------------------------------------------------------------- Adafactor
+    af = [(k, results[("adafactor", k)]) for k in BACKENDS if ("adafactor", k) in results]
+    if af:
+        any_r = af[0][1]
+        lines += [
+            "## Adafactor",
+            "",
+            f"BERT-base-like stack of SPEC.md §5: {any_r['n_params'] / 1e6:.1f}M float32 parameters, random-normal "
+            f"gradients; median of {any_r['steps']} steps after {any_r['warmup']} warm-up, all optimizers of a "
+            "backend interleaved step by step. Keras optimizers run as Keras's trainers run them: JAX "
+            "`jax.jit(stateless_apply, donate_argnums=(0, 2))`, TF `tf.function(apply, jit_compile=True)` "
+            "(and without XLA for reference), torch eager `apply`. `optax.adafactor(learning_rate=1e-3, "
+            "min_dim_size_to_factor=1, decay_rate=0.8, eps=1e-30, clipping_threshold=1.0)` (Keras's defaults); "
+            "`torch.optim.Adafactor(lr=1e-3)`. Floor: "
+            f"{any_r['bytes_per_param']} B/param over the copy bandwidth measured in the run (numpy).",
+            "",
+        ]
+        rows = []
+        for k, r in af:
+            for name, v in r["results"].items():
+                rows.append([k, f"`{name}`", _f(v["state_over_params"], ".4f"), _f(v["median_ms"], ".1f"),
+                             _f(v["over_floor"], ".2f")])
+            rows.append([k, "memory-bandwidth floor", "—", _f(r["floor_ms"], ".1f") +
+                         f" ({r['bandwidth']['gbps']:.0f} GB/s)", "1.00"])
+        lines += ["### Step time and state", "",
+                  _md_table(["backend", "optimizer", "state / params", "step ms", "x floor"], rows), ""]
+        rows = [[k, f"`{x['ours']}`", f"`{x['peer']}`", _f(x["time_ratio"]), _f(x["state_ratio"])]
+                for k, r in af for x in r["ratios"]]
+        lines += ["### Ratios, ours / peer", "",
+                  _md_table(["backend", "ours", "peer", "step time", "state"], rows), ""]
+        rows = [[k, t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]]]
+                for k, r in af for t in r["targets"]]
+        lines += ["### Targets (issue 2)", "", _md_table(["backend", "target", "measured", "goal", "result"], rows), ""]
+
+    # ------------------------------------------------------------ EmbeddingAdam
+    ea = [(k, results[("embedding_adam", k)]) for k in BACKENDS if ("embedding_adam", k) in results]
+    if ea:
+        any_r = ea[0][1]
+        lines += [
+            "## EmbeddingAdam",
+            "",
+            f"A float32 table of V rows x {any_r['dim']}, {any_r['ids']} ids a step (about a quarter duplicates), "
+            "learning rate 1e-3. TF: `tf.IndexedSlices` gradient, both optimizers in `tf.function` with and "
+            "without XLA; `torch.optim.SparseAdam` on the same ids in a torch-only subprocess. JAX: dense "
+            "gradient, `jax.jit(stateless_apply, donate_argnums=(0, 2))`. torch: dense gradient (Keras's torch "
+            "backend) and a sparse COO gradient. Peak memory: process RSS during the timed steps above the RSS "
+            "before them (compilation excluded).",
+            "",
+        ]
+        for k, r in ea:
+            sizes = r["sizes"]
+            names = list(dict.fromkeys(x["name"] for x in r["records"]))
+
+            def cell(name, s, key, spec, r=r):
+                for x in r["records"]:
+                    if x["name"] == name and x["rows"] == s:
+                        return "error" if "error" in x else _f(x[key], spec)
+                return "—"
+
+            lines += [f"### {k}", ""]
+            rows = [[f"`{n}`"] + [cell(n, s, "median_ms", ".2f") for s in sizes]
+                    + [cell(n, s, "peak_delta_mb", ".0f") for s in sizes] for n in names]
+            lines += [_md_table(["optimizer"] + [f"ms @{_size(s)}" for s in sizes]
+                                + [f"peak MB @{_size(s)}" for s in sizes], rows), ""]
+            pairs = list(dict.fromkeys((x["ours"], x["peer"]) for x in r["ratios"]))
+            rows = [[f"`{m}`", f"`{p}`"] + [_f(next((x["time_ratio"] for x in r["ratios"] if x["ours"] == m
+                                                    and x["peer"] == p and x["rows"] == s), None)) for s in sizes]
+                    for m, p in pairs]
+            lines += ["Ratios, ours / peer step time:", "",
+                      _md_table(["ours", "peer"] + [_size(s) for s in sizes], rows), ""]
+            if r.get("skipped"):
+                lines += ["Skipped: " + "; ".join(s["reason"] for s in r["skipped"]), ""]
+            errs = [x for x in r["records"] if "error" in x]
+            if errs:
+                lines += ["Errors: " + "; ".join(f"`{x['name']}` @{_size(x['rows'])}: {x['error']}" for x in errs), ""]
+        rows = [[k, t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]]]
+                for k, r in ea for t in r["targets"]]
+        lines += ["### Targets (issue 3)", "", _md_table(["backend", "target", "measured", "goal", "result"], rows), ""]
+
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    print(f"wrote {path}")
+
+
+def write_chart(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
+    # Adafactor: ours / each peer, per backend.
+    ax = axes[0]
+    labels, values, colors = [], [], []
+    palette = {"tensorflow": "tab:orange", "jax": "tab:blue", "torch": "tab:red"}
+    for k in BACKENDS:
+        r = results.get(("adafactor", k))
+        if not r:
+            continue
+        for x in r["ratios"]:
+            if x["time_ratio"] is None:
+                continue
+            peer = x["peer"].replace("keras.optimizers.", "keras ").replace("torch.optim.", "torch ")
+            labels.append(f"{k}\nvs {peer}")
+            values.append(x["time_ratio"])
+            colors.append(palette[k])
+        if k in ("tensorflow", "jax"):  # the floor is a target on these two only
+            labels.append(f"{k}\nvs bw floor")
+            values.append(r["results"]["keras_tpu_optim.Adafactor"]["over_floor"])
+            colors.append(palette[k])
+    if values:
+        ax.bar(range(len(values)), values, color=colors)
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(values)))
+        ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+        ax.axhline(1.0, color="k", lw=0.8)
+        for y, style in ((0.6, ":"), (0.8, "--"), (2.0, "-.")):
+            ax.axhline(y, color="gray", lw=0.8, ls=style)
+        for i, v in enumerate(values):
+            ax.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+    n_params = next((r["n_params"] for (b, _), r in results.items() if b == "adafactor"), 0)
+    ax.set_title(f"Adafactor step time, ours / peer ({n_params / 1e6:.1f}M params, log)\n"
+                 "targets: 0.6 keras, 0.8 optax, 1.0 torch, 2.0 floor")
+    ax.set_ylabel("step-time ratio (lower is better)")
+
+    # EmbeddingAdam: ours / each peer at each size, log scale.
+    ax = axes[1]
+    labels, values, colors = [], [], []
+    for k in BACKENDS:
+        r = results.get(("embedding_adam", k))
+        if not r:
+            continue
+        ref = 1_000_000 if 1_000_000 in r["sizes"] else max(r["sizes"], default=None)
+        for x in r["ratios"]:
+            if x["time_ratio"] is None or x["rows"] != ref:
+                continue
+            m = x["ours"].replace("keras_tpu_optim.EmbeddingAdam", "ours")
+            p = (x["peer"].replace("keras.optimizers.", "").replace("torch.optim.", "")
+                 .replace(" (torch subprocess)", "").replace("jit_compile=", "xla="))
+            labels.append(f"{k} {_size(x['rows'])}\n{m} vs {p}")
+            values.append(x["time_ratio"])
+            colors.append(palette[k])
+    if values:
+        ax.bar(range(len(values)), values, color=colors)
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(values)))
+        ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+        ax.axhline(1.0, color="k", lw=0.8)
+        for y in (0.05, 0.1, 0.25):
+            ax.axhline(y, color="gray", lw=0.8, ls=":")
+    ax.set_title("EmbeddingAdam step time, ours / peer, at 1M rows (log)\ntargets: TF 0.05 Adam & 1.0 SparseAdam, "
+                 "torch 0.1, JAX 0.25 (at 1M)")
+    ax.set_ylabel("step-time ratio (lower is better)")
+    machine = next((r["machine"] for r in results.values()), bc.machine_info())
+    fig.suptitle(f"keras_tpu_optim benchmarks — {machine['date'][:10]}, {machine['cpu']}, {machine['cores']} cores",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def write_report(out_dir, status=None, quick=False):
+    results = load_results(out_dir)
+    status = status or {k: 0 for k in results}
+    write_markdown(results, status, os.path.join(out_dir, "benchmarks.md"), quick)
+    write_chart(results, os.path.join(out_dir, "benchmarks.png"))
+    return results
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke run); writes to results/quick/")
+    ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument("--steps", type=int, default=None, help="passed to both scripts")
+    ap.add_argument("--sizes", default=None, help="table sizes for bench_embedding_adam.py, e.g. 100k,1M")
+    ap.add_argument("--out-dir", default=None, help="default integration/results (quick: integration/results/quick)")
+    ap.add_argument("--report-only", action="store_true", help="only rebuild the report from the JSON files")
+    args = ap.parse_args(argv)
+    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    out_dir = args.out_dir or os.path.join(HERE, "results", "quick" if args.quick else "")
+    out_dir = os.path.normpath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    status = None if args.report_only else run_all(args, out_dir)
+    write_report(out_dir, status, args.quick)
+    if status and any(rc != 0 for rc in status.values()):
+        print("FAILED: " + ", ".join(f"{b} on {k}" for (b, k), rc in status.items() if rc != 0))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

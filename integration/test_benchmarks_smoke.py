@@ -1,0 +1,72 @@
+"""Smoke test of the benchmark scripts: they run and print their tables.
+
+Each script runs with `--quick` (tiny sizes) on the current backend, in a
+subprocess that inherits KERAS_BACKEND. Nothing here is timed or compared:
+benchmark figures are for the report (`integration/run_benchmarks.py`), never
+for assertions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BACKEND = keras.backend.backend()
+
+
+def _run(script, tmp_path, *extra):
+    out = tmp_path / f"{script}.json"
+    env = dict(os.environ, KERAS_BACKEND=BACKEND, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, script), "--quick", "--json", str(out), *extra],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"{script} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    with open(out) as f:
+        return proc.stdout, json.load(f)
+
+
+@pytest.mark.skipif(BACKEND not in ("tensorflow", "jax", "torch"), reason="benchmarks cover TF, JAX and torch")
+def test_bench_adafactor_quick(tmp_path):
+    stdout, data = _run("bench_adafactor.py", tmp_path, "--steps", "2", "--warmup", "1")
+    assert f"Adafactor on {BACKEND}" in stdout
+    assert "Ratios, ours / peer" in stdout
+    assert "Targets" in stdout
+    assert data["backend"] == BACKEND
+    assert "keras_tpu_optim.Adafactor" in data["results"]
+    assert "keras.optimizers.Adafactor" in data["results"]
+    assert {t["target"] for t in data["targets"]} >= {"state/params", "step / keras.optimizers.Adafactor"}
+
+
+@pytest.mark.skipif(BACKEND not in ("tensorflow", "jax", "torch"), reason="benchmarks cover TF, JAX and torch")
+def test_bench_embedding_adam_quick(tmp_path):
+    stdout, data = _run("bench_embedding_adam.py", tmp_path, "--steps", "2", "--warmup", "1")
+    assert f"EmbeddingAdam on {BACKEND}" in stdout
+    assert "Peak memory of the step" in stdout
+    assert "Ratios, ours / peer" in stdout
+    assert "Targets" in stdout
+    assert data["backend"] == BACKEND
+    names = {r["name"] for r in data["records"] if "error" not in r}
+    assert any(n.startswith("keras_tpu_optim.EmbeddingAdam") for n in names), data["records"]
+    # The report writer accepts what the scripts wrote.
+    (tmp_path / "report").mkdir()
+    for bench, d in (("embedding_adam", data),):
+        with open(tmp_path / "report" / f"{bench}_{BACKEND}.json", "w") as f:
+            json.dump(d, f)
+    sys.path.insert(0, HERE)
+    try:
+        import run_benchmarks
+    finally:
+        sys.path.remove(HERE)
+    run_benchmarks.write_report(str(tmp_path / "report"), quick=True)
+    assert (tmp_path / "report" / "benchmarks.md").read_text().count("EmbeddingAdam") >= 1
+    assert (tmp_path / "report" / "benchmarks.png").stat().st_size > 0
