@@ -16,7 +16,8 @@ What runs where, as each framework's trainer runs it:
   process).
 - JAX: the gradient is dense (what `jax.grad` of an embedding lookup gives);
   ours and `keras.optimizers.Adam` run as `jax.jit(optimizer.stateless_apply,
-  donate_argnums=(0, 2))`, optimizer and trainable variables donated.
+  donate_argnums=(0, 2))`, optimizer and trainable variables donated and
+  returned in input order (as Keras's JAX trainer), so they update in place.
 - torch: dense gradient (what Keras's torch backend produces), ours and
   `keras.optimizers.Adam` eagerly (`optimizer.apply` under `torch.no_grad()`);
   and a sparse COO gradient (uncoalesced, duplicates kept), ours against
@@ -152,12 +153,20 @@ class KerasJaxRun(Run):
         self.opt_vals = [v.value for v in opt.variables]
         self.train_vals = [var.value]
         self.grads = [jnp.asarray(g) for g in dense_grads]
-        self.fn = jax.jit(opt.stateless_apply, donate_argnums=(0, 2))
+        # Return the state in the order it came in, as Keras's JAX trainer does:
+        # JAX pairs donated inputs with outputs of the same shape in order, so
+        # stateless_apply's (trainable, optimizer) order would alias the wrong
+        # buffers and force table-sized copies.
+        def apply_in_input_order(opt_vals, grads, train_vals):
+            new_train, new_opt = opt.stateless_apply(opt_vals, grads, train_vals)
+            return new_opt, new_train
+
+        self.fn = jax.jit(apply_in_input_order, donate_argnums=(0, 2))
         self._jax = jax
 
     def step(self, i):
         g = self.grads[i % len(self.grads)]
-        self.train_vals, self.opt_vals = self.fn(self.opt_vals, [g], self.train_vals)
+        self.opt_vals, self.train_vals = self.fn(self.opt_vals, [g], self.train_vals)
 
     def sync(self):
         self._jax.block_until_ready((self.train_vals, self.opt_vals))

@@ -11,5 +11,6 @@ __version__ = "0.1.0"
 
 from keras_tpu_optim.adafactor import Adafactor
 from keras_tpu_optim.embedding_adam import EmbeddingAdam
+from keras_tpu_optim import tpu
 
-__all__ = ["Adafactor", "EmbeddingAdam", "__version__"]
+__all__ = ["Adafactor", "EmbeddingAdam", "tpu", "__version__"]

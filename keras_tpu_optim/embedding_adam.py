@@ -103,10 +103,11 @@ class EmbeddingAdam(OptimizerBase):
         low_dimensional_packing_status: bool, the TPU's packing of tables of
             dimension 1, 2 and 4. No numerical effect off TPU; carried into the
             TPU configuration and serialized. Defaults to `False`.
-        max_touched_rows: int or None, the static row capacity of the
-            gather/scatter path for dense gradients under `jax.jit`. A step
-            that touches more rows falls back to a masked whole-table update
-            with the same numbers. None: `min(rows, max(4096, rows // 64))`.
+        max_touched_rows: int or None, the static row capacity of one
+            gather/update/scatter round for dense gradients on JAX (shapes
+            must be static under `jax.jit`). A step that touches more rows
+            takes more rounds, with the same numbers. None:
+            `min(rows, max(4096, rows // 64))`. Ignored by TF and torch.
         weight_decay: float or None, the Keras keyword. Means
             `weight_decay_factor=weight_decay` with
             `multiply_weight_decay_factor_by_learning_rate=True`, applied lazily
@@ -262,9 +263,21 @@ class EmbeddingAdam(OptimizerBase):
         # Keras's decay would touch every row every step; ours is lazy (update_step).
         return
 
-    def _row_update_options(self, variable) -> adam_math.RowUpdateOptions:
+    @property
+    def gradient_clip(self):
+        """The `(min, max)` gradient clip (either side may be None), or None."""
+        return self._gradient_clip
+
+    def row_update_options(self, variable=None) -> adam_math.RowUpdateOptions:
+        """The static options of the row update (`_math.embedding_adam.row_update`).
+
+        Args:
+            variable: the table being updated, to honour Keras's
+                `exclude_from_weight_decay`; None for a table that is not
+                excluded (the TPU export).
+        """
         decay, multiply = self.weight_decay_factor, bool(self.multiply_weight_decay_factor_by_learning_rate)
-        if self.weight_decay is not None and self._use_weight_decay(variable):
+        if self.weight_decay is not None and (variable is None or self._use_weight_decay(variable)):
             decay, multiply = self.weight_decay, True
         low, high = self._gradient_clip or (None, None)
         return adam_math.RowUpdateOptions(
@@ -296,7 +309,7 @@ class EmbeddingAdam(OptimizerBase):
         update_rows = functools.partial(
             _update_rows_in_float32,
             learning_rate=self.bias_corrected_learning_rate(learning_rate),
-            options=self._row_update_options(variable),
+            options=self.row_update_options(variable),
         )
         if self.lazy_adam:
             _sparse.lazy_row_update(

@@ -9,6 +9,7 @@ per-row custom optimizer.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 from keras import ops
@@ -34,11 +35,17 @@ def bias_corrected_learning_rate(learning_rate, step, beta_1: float, beta_2: flo
     """`lr_t = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)`, t = iterations + 1.
 
     The TPU embedding engines apply no bias correction, so this is also the
-    dynamic learning rate the TPU export feeds them.
+    dynamic learning rate the TPU export feeds them. `1 - beta^t` is computed
+    as `-expm1(t * log(beta))` with `log(beta)` in float64: in float32,
+    `1 - 0.999**1` loses five digits to cancellation.
     """
-    return learning_rate * ops.sqrt(1.0 - ops.power(beta_2, step)) / (
-        1.0 - ops.power(beta_1, step)
-    )
+    return learning_rate * ops.sqrt(_one_minus_power(beta_2, step)) / _one_minus_power(beta_1, step)
+
+
+def _one_minus_power(beta: float, step):
+    if beta == 0.0:
+        return ops.ones_like(step)
+    return -ops.expm1(step * math.log(beta))
 
 
 def clip_between(x, low: Optional[float], high: Optional[float]):

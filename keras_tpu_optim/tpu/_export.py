@@ -85,29 +85,6 @@ def weight_decay(optimizer) -> Tuple[Optional[float], Optional[bool]]:
     return optimizer.weight_decay_factor, bool(optimizer.multiply_weight_decay_factor_by_learning_rate)
 
 
-def gradient_clip(optimizer) -> Optional[Tuple[Optional[float], Optional[float]]]:
-    """The `(min, max)` gradient clip, either side None, or None for no clipping."""
-    return getattr(optimizer, "_gradient_clip", None)
-
-
-def row_update_options(optimizer) -> adam_math.RowUpdateOptions:
-    """The row update's static options, for a table (no per-variable decay exclusion)."""
-    decay, multiply = weight_decay(optimizer)
-    low, high = gradient_clip(optimizer) or (None, None)
-    return adam_math.RowUpdateOptions(
-        beta_1=optimizer.beta_1,
-        beta_2=optimizer.beta_2,
-        epsilon=optimizer.epsilon,
-        sum_inside_sqrt=optimizer.sum_inside_sqrt,
-        gradient_clip_min=low,
-        gradient_clip_max=high,
-        clip_weight_min=optimizer.clip_weight_min,
-        clip_weight_max=optimizer.clip_weight_max,
-        weight_decay_factor=decay,
-        multiply_weight_decay_factor_by_learning_rate=bool(multiply),
-    )
-
-
 def learning_rate_at(optimizer, step):
     """The optimizer's (uncorrected) learning rate when `step` updates have been applied.
 

@@ -83,6 +83,6 @@ def to_tpu_embedding(optimizer) -> TPUEmbeddingAdam:
         weight_decay_factor=weight_decay_factor,
         multiply_weight_decay_factor_by_learning_rate=multiply_by_learning_rate,
         slot_variable_creation_fn=optimizer.slot_variable_creation_fn,
-        clipvalue=_export.gradient_clip(optimizer),
+        clipvalue=optimizer.gradient_clip,
         low_dimensional_packing_status=optimizer.low_dimensional_packing_status,
     )
