@@ -1,0 +1,37 @@
+"""The README's first command, `python -m keras_tpu_optim`, in its --quick mode."""
+
+import os
+import re
+import subprocess
+import sys
+
+import keras
+
+
+def test_quick_demo_trains_prints_summary_and_writes_figure(tmp_path):
+    figure = tmp_path / "demo.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "keras_tpu_optim", "--quick", "--out", str(figure)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, KERAS_BACKEND=keras.backend.backend()),
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert f"on the {keras.backend.backend()} backend" in out
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert str(figure) in out
+
+    # Part 1: Keras's Adafactor keeps a full-size buffer per variable (state/params ~1);
+    # ours only row/column statistics, a small fraction even on this tiny LM.
+    ratio = dict(re.findall(
+        r"^(keras_tpu_optim\.Adafactor|keras\.optimizers\.Adafactor)\s+\S+\s+[\d,]+\s+([\d.]+)", out, re.M
+    ))
+    assert float(ratio["keras.optimizers.Adafactor"]) >= 1.0
+    assert float(ratio["keras_tpu_optim.Adafactor"]) < 0.25
+
+    # Part 2: EmbeddingAdam touched a few rows per step, Keras's Adam every row.
+    rows = dict(re.findall(r"^(keras_tpu_optim\.EmbeddingAdam|keras\.optimizers\.Adam)\s+\S+\s+\S+\s+([\d,]+)", out, re.M))
+    assert int(rows["keras.optimizers.Adam"].replace(",", "")) == 20_000
+    assert 0 < int(rows["keras_tpu_optim.EmbeddingAdam"].replace(",", "")) < 256
