@@ -280,22 +280,6 @@ def _check_base_arguments(
         _common.check_number("clipvalue", clipvalue, low=0, low_open=True, allow_none=True)
     _common.check_bool("use_ema", use_ema)
     _common.check_number("ema_momentum", ema_momentum, low=0, high=1)
-    if ema_overwrite_frequency is not None and (
-        isinstance(ema_overwrite_frequency, bool)
-        or not isinstance(ema_overwrite_frequency, int)
-        or ema_overwrite_frequency < 1
-    ):
-        raise ValueError(
-            "Argument `ema_overwrite_frequency` must be an int >= 1 or None. "
-            f"Received: ema_overwrite_frequency={ema_overwrite_frequency!r}"
-        )
+    _common.check_int("ema_overwrite_frequency", ema_overwrite_frequency, low=1, allow_none=True)
     _common.check_number("loss_scale_factor", loss_scale_factor, low=0, low_open=True, allow_none=True)
-    if gradient_accumulation_steps is not None and (
-        isinstance(gradient_accumulation_steps, bool)
-        or not isinstance(gradient_accumulation_steps, int)
-        or gradient_accumulation_steps < 2
-    ):
-        raise ValueError(
-            "Argument `gradient_accumulation_steps` must be an int >= 2 or None. "
-            f"Received: gradient_accumulation_steps={gradient_accumulation_steps!r}"
-        )
+    _common.check_int("gradient_accumulation_steps", gradient_accumulation_steps, low=2, allow_none=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 import keras
@@ -26,6 +27,18 @@ def check_number(name: str, value, *, low=None, high=None, low_open=False, high_
         )
         raise ValueError(f"Argument `{name}` must be in {interval}. Received: {name}={value!r}")
     return value
+
+
+def check_int(name: str, value, *, low: int, allow_none=False):
+    """Raise a ValueError naming `name` unless `value` is an int >= `low`."""
+    if value is None and allow_none:
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(
+            f"Argument `{name}` must be an int >= {low}{' or None' if allow_none else ''}. "
+            f"Received: {name}={value!r}"
+        )
+    return int(value)
 
 
 def check_bool(name: str, value, allow_none=False):

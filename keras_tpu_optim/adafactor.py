@@ -101,16 +101,9 @@ class Adafactor(OptimizerBase):
         self.clip_threshold = _common.check_number("clip_threshold", clip_threshold, low=0, low_open=True)
         self.relative_step = _common.check_bool("relative_step", relative_step)
         self.beta_1 = _common.check_number("beta_1", beta_1, low=0, high=1, high_open=True, allow_none=True)
-        if min_dim_size_to_factor is not None and (
-            isinstance(min_dim_size_to_factor, bool)
-            or not isinstance(min_dim_size_to_factor, int)
-            or min_dim_size_to_factor < 1
-        ):
-            raise ValueError(
-                "Argument `min_dim_size_to_factor` must be a positive int or None. "
-                f"Received: min_dim_size_to_factor={min_dim_size_to_factor!r}"
-            )
-        self.min_dim_size_to_factor = min_dim_size_to_factor
+        self.min_dim_size_to_factor = _common.check_int(
+            "min_dim_size_to_factor", min_dim_size_to_factor, low=1, allow_none=True
+        )
         self.multiply_by_parameter_scale = _common.check_bool(
             "multiply_by_parameter_scale", multiply_by_parameter_scale
         )

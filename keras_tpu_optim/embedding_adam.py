@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import numbers
 
 import keras
 from keras import ops
@@ -188,13 +187,7 @@ class EmbeddingAdam(OptimizerBase):
                 "Argument `slot_variable_creation_fn` must be callable. "
                 f"Received: slot_variable_creation_fn={slot_variable_creation_fn!r}"
             )
-        if max_touched_rows is not None and (
-            not isinstance(max_touched_rows, numbers.Integral) or isinstance(max_touched_rows, bool) or max_touched_rows < 1
-        ):
-            raise ValueError(
-                "Argument `max_touched_rows` must be a positive int or None. "
-                f"Received: max_touched_rows={max_touched_rows!r}"
-            )
+        _common.check_int("max_touched_rows", max_touched_rows, low=1, allow_none=True)
         super().__init__(
             learning_rate=learning_rate,
             name=name,
@@ -223,7 +216,7 @@ class EmbeddingAdam(OptimizerBase):
         self.gradient_clipvalue = clipvalue
         self._gradient_clip = gradient_clip
         self.low_dimensional_packing_status = low_dimensional_packing_status
-        self.max_touched_rows = None if max_touched_rows is None else int(max_touched_rows)
+        self.max_touched_rows = max_touched_rows
 
     def build(self, var_list):
         """Create the `momenta` and `velocities` slots of every variable."""

@@ -1,0 +1,182 @@
+"""End to end, on every backend: train, save, reload in a new process, continue.
+
+For both optimizers (with EMA, gradient accumulation saved mid-accumulation and
+a learning-rate schedule), the resumed run equals the uninterrupted one bit for
+bit; and a file saved on one backend resumes on the other two. The worker and
+the tiny models live in tests/ (`_resume_worker.py`, `_kto_models.py`).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+sys.path.insert(0, TESTS)
+
+from _kto_models import compile_model, fit_steps, make_data, make_model, make_optimizer, optimizer_state, weights_of  # noqa: E402
+
+BACKEND = keras.backend.backend()
+WORKER = os.path.join(TESTS, "_resume_worker.py")
+
+def _run_worker(backend, tasks, tmp_path, name):
+    job = tmp_path / f"{name}.json"
+    job.write_text(json.dumps({"tasks": tasks}))
+    env = dict(os.environ, KERAS_BACKEND=backend)
+    return subprocess.Popen(
+        [sys.executable, WORKER, str(job)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _wait(process, timeout=240):
+    output, _ = process.communicate(timeout=timeout)
+    assert process.returncode == 0, output[-4000:]
+
+
+def _load_result(path):
+    data = np.load(path)
+    weights = [data[f"w{i}"] for i in range(sum(k.startswith("w") for k in data.files))]
+    state = [data[f"o{i}"] for i in range(sum(k.startswith("o") for k in data.files))]
+    return weights, state
+
+
+
+
+
+RESUME_SCENARIOS = {
+    # name: (model kind, optimizer spec, steps before the save); 3 steps with
+    # accumulation over 2 means the save holds one accumulated micro-step.
+    "adafactor_schedule_momentum_accumulation_mid": (
+        "mlp",
+        {"class": "Adafactor", "kwargs": {"beta_1": 0.9, "gradient_accumulation_steps": 2}, "schedule": 0.1},
+        3,
+    ),
+    "adafactor_ema": (
+        "mlp",
+        {"class": "Adafactor", "kwargs": {"learning_rate": 0.1, "use_ema": True, "ema_overwrite_frequency": 2}},
+        3,
+    ),
+    "embedding_adam_schedule_ema_accumulation_mid": (
+        "recommender",
+        {
+            "class": "EmbeddingAdam",
+            "kwargs": {"use_ema": True, "ema_overwrite_frequency": 2, "gradient_accumulation_steps": 2},
+            "schedule": 0.05,
+        },
+        3,
+    ),
+}
+
+
+def test_exact_resume_in_a_fresh_process(tmp_path):
+    """Train N steps, save, load in a new process, train M more == N+M uninterrupted, bit for bit."""
+    batch_size, more_steps = 16, 3
+    tasks, references = [], {}
+    for name, (kind, spec, steps) in RESUME_SCENARIOS.items():
+        x, y = make_data(kind, (steps + more_steps) * batch_size, seed=3)
+        split = steps * batch_size
+        np.savez(tmp_path / f"{name}_rest.npz", x=x[split:], y=y[split:])
+        model = compile_model(make_model(kind), kind, make_optimizer(spec))
+        fit_steps(model, x[:split], y[:split], batch_size)
+        model.save(str(tmp_path / f"{name}.keras"))
+        fit_steps(model, x[split:], y[split:], batch_size)
+        references[name] = (weights_of(model), optimizer_state(model.optimizer))
+        if not spec.get("kwargs", {}).get("use_ema"):
+            # Two fit calls are one run (EMA aside: fit ends by installing the averages).
+            single = compile_model(make_model(kind), kind, make_optimizer(spec))
+            fit_steps(single, x, y, batch_size)
+            for a, b in zip(weights_of(single), references[name][0]):
+                np.testing.assert_array_equal(a, b)
+        tasks.append(
+            {
+                "op": "resume",
+                "model": str(tmp_path / f"{name}.keras"),
+                "data": str(tmp_path / f"{name}_rest.npz"),
+                "batch_size": batch_size,
+                "out": str(tmp_path / f"{name}_resumed.npz"),
+            }
+        )
+    _wait(_run_worker(BACKEND, tasks, tmp_path, "resume"))
+    for name, (want_weights, want_state) in references.items():
+        got_weights, got_state = _load_result(tmp_path / f"{name}_resumed.npz")
+        assert len(got_weights) == len(want_weights) and len(got_state) == len(want_state), name
+        for got, want in zip(got_weights + got_state, want_weights + want_state):
+            np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="drives all three backends (subprocesses); runs once, under JAX")
+def test_file_saved_on_one_backend_resumes_on_the_others(tmp_path):
+    """Each backend resumes the files of the other two; each run is compared with
+    the saving backend's own uninterrupted run. Sequenced so that only two
+    subprocesses are needed: JAX (here) saves; TF resumes it and saves; torch
+    resumes both and saves; TF resumes torch's; JAX resumes TF's and torch's."""
+    scenarios = {
+        "adafactor": ("mlp", {"class": "Adafactor", "kwargs": {"learning_rate": 0.1, "beta_1": 0.5}}),
+        "embedding_adam": ("recommender", {"class": "EmbeddingAdam", "schedule": 0.05}),
+    }
+    steps, more_steps, batch_size = 2, 2, 16
+
+    def train_save(name, backend):
+        kind, spec = scenarios[name]
+        return {
+            "op": "train_save",
+            "kind": kind,
+            "optimizer": spec,
+            "data": str(tmp_path / f"{name}.npz"),
+            "steps": steps,
+            "batch_size": batch_size,
+            "save": str(tmp_path / f"{name}_{backend}.keras"),
+            "out": str(tmp_path / f"{name}_{backend}_reference.npz"),
+        }
+
+    def resume(name, source, target):
+        return {
+            "op": "resume",
+            "model": str(tmp_path / f"{name}_{source}.keras"),
+            "data": str(tmp_path / f"{name}_rest.npz"),
+            "batch_size": batch_size,
+            "out": str(tmp_path / f"{name}_{source}_on_{target}.npz"),
+        }
+
+    for name, (kind, _) in scenarios.items():
+        x, y = make_data(kind, (steps + more_steps) * batch_size, seed=5)
+        np.savez(tmp_path / f"{name}.npz", x=x, y=y)
+        np.savez(tmp_path / f"{name}_rest.npz", x=x[steps * batch_size :], y=y[steps * batch_size :])
+
+    import _resume_worker
+
+    for name in scenarios:
+        _resume_worker.run(train_save(name, "jax"))
+    _wait(_run_worker("tensorflow", [t for n in scenarios for t in (resume(n, "jax", "tensorflow"), train_save(n, "tensorflow"))], tmp_path, "tf"))
+    _wait(
+        _run_worker(
+            "torch",
+            [t for n in scenarios for t in (resume(n, "jax", "torch"), resume(n, "tensorflow", "torch"), train_save(n, "torch"))],
+            tmp_path,
+            "torch",
+        )
+    )
+    last_tf = _run_worker("tensorflow", [resume(n, "torch", "tensorflow") for n in scenarios], tmp_path, "tf2")
+    for name in scenarios:
+        keras.backend.clear_session()
+        _resume_worker.run(resume(name, "tensorflow", "jax"))
+        _resume_worker.run(resume(name, "torch", "jax"))
+    _wait(last_tf)
+
+    backends = ["jax", "tensorflow", "torch"]
+    for name in scenarios:
+        for source in backends:
+            want_weights, want_state = _load_result(tmp_path / f"{name}_{source}_reference.npz")
+            for target in backends:
+                if target == source:
+                    continue
+                got_weights, got_state = _load_result(tmp_path / f"{name}_{source}_on_{target}.npz")
+                assert len(got_state) == len(want_state)
+                for got, want in zip(got_weights + got_state, want_weights + want_state):
+                    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=f"{name} {source}->{target}")
+
+
