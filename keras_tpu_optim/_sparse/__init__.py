@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 
 import keras
+from keras import ops
 
 
 def _backend_module():
@@ -36,8 +37,8 @@ def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplic
         slots: the table's slot variables, updated in place.
         accumulate_duplicates: sum the gradients of duplicate indices before
             the update (True), or let the last occurrence's update win (False).
-        max_touched_rows: the static row capacity of the JAX gather/scatter
-            path (ignored by backends with dynamic shapes).
+        max_touched_rows: the static row capacity of one JAX gather/update/
+            scatter round (ignored by backends with dynamic shapes).
     """
     _backend_module().lazy_row_update(
         update_rows,
@@ -56,22 +57,8 @@ def densify(gradient):
 
 def dense_row_update(update_rows, gradient, variable, slots):
     """Update every row (ordinary, non-lazy Adam)."""
-    from keras import ops
-
     gradient = densify(gradient)
     # TF's optimizer passes native tf.Variables; convert_to_tensor reads either kind.
     new_values = update_rows(gradient, *(ops.convert_to_tensor(t) for t in (variable, *slots)))
     for target, value in zip((variable, *slots), new_values):
         target.assign(value)
-
-
-def masked_row_update(update_rows, gradient, weight, slot_values, touched):
-    """The whole-table fallback: compute every row, keep untouched rows as they were.
-
-    Works on values (not variables), in `keras.ops`, with static shapes.
-    """
-    from keras import ops
-
-    new_values = update_rows(gradient, weight, *slot_values)
-    keep = ops.expand_dims(touched, -1) if len(gradient.shape) > 1 else touched
-    return tuple(ops.where(keep, new, old) for new, old in zip(new_values, (weight, *slot_values)))
