@@ -101,15 +101,7 @@ class KerasJaxRunner:
         self.opt_vals = [v.value for v in opt.variables]
         self.train_vals = [v.value for v in variables]
         self.grads = grads
-        # Return the state in the order it came in, as Keras's JAX trainer does:
-        # JAX pairs donated inputs with outputs of the same shape in order, so
-        # stateless_apply's (trainable, optimizer) order would alias the wrong
-        # buffers and force table-sized copies.
-        def apply_in_input_order(opt_vals, grads, train_vals):
-            new_train, new_opt = opt.stateless_apply(opt_vals, grads, train_vals)
-            return new_opt, new_train
-
-        self.fn = jax.jit(apply_in_input_order, donate_argnums=(0, 2))
+        self.fn = bc.jit_stateless_apply(opt)
         self._jax = jax
         del variables
 

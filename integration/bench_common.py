@@ -53,6 +53,24 @@ def machine_info() -> dict:
     }
 
 
+def jit_stateless_apply(optimizer):
+    """`optimizer.stateless_apply` under `jax.jit` with the state donated, as Keras's JAX trainer runs it.
+
+    The jitted function takes and returns `(optimizer_values, grads, trainable_values)` ->
+    `(optimizer_values, trainable_values)`: the state comes back in the order it came in.
+    JAX pairs donated inputs with outputs of the same shape in order, so
+    stateless_apply's own (trainable, optimizer) order would alias the wrong
+    buffers and force table-sized copies.
+    """
+    import jax
+
+    def apply_in_input_order(opt_vals, grads, train_vals):
+        new_train, new_opt = optimizer.stateless_apply(opt_vals, grads, train_vals)
+        return new_opt, new_train
+
+    return jax.jit(apply_in_input_order, donate_argnums=(0, 2))
+
+
 def memcpy_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 7) -> dict:
     """Measured copy bandwidth of this machine with numpy, in bytes moved per second.
 
