@@ -106,7 +106,7 @@ class EmbeddingAdam(OptimizerBase):
             gather/update/scatter round for dense gradients on JAX (shapes
             must be static under `jax.jit`). A step that touches more rows
             takes more rounds, with the same numbers. None:
-            `min(rows, max(4096, rows // 64))`. Ignored by TF and torch.
+            `min(rows, 4096)`. Ignored by TF and torch.
         weight_decay: float or None, the Keras keyword. Means
             `weight_decay_factor=weight_decay` with
             `multiply_weight_decay_factor_by_learning_rate=True`, applied lazily

@@ -621,7 +621,7 @@ def test_jax_jit_stateless_apply(max_touched_rows, rank):
     apply = jax.jit(optimizer.stateless_apply)
     optimizer_values = [v.value for v in optimizer.variables]
     trainable_values = [variable.value]
-    # 5 distinct rows touched in the first step: above the capacity 2 (fallback), equal to 5.
+    # 5 distinct rows touched in the first step: three rounds at capacity 2, one at 5.
     steps = [[0, 2, 4, 6, 8, 2], [1, 3], [5, 5, 7], [0, 1, 2, 3, 4, 5, 6, 7, 8], [8]]
     for seed, ids in enumerate(steps):
         values = step_values(ids, seed, shape[1:])
@@ -640,6 +640,63 @@ def test_jax_jit_stateless_apply(max_touched_rows, rank):
     variable.assign(trainable_values[0])
     assert_matches_reference(optimizer, variable, reference)
     assert int(ops.convert_to_numpy(optimizer.iterations)) == len(steps)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="the touched-row bitmap is the JAX path's")
+@pytest.mark.parametrize("num_rows", [31, 32, 33, 200, 1000])
+def test_jax_touched_row_bitmap_lists_rows_in_order(num_rows):
+    """Round after round, the bitmap yields exactly np.nonzero's rows: word edges, bit 31, the last row."""
+    import jax
+    import jax.numpy as jnp
+
+    from keras_tpu_optim._sparse import jax as sparse_jax
+
+    rng = np.random.default_rng(num_rows)
+    masks = [rng.random(num_rows) < p for p in (0.0, 0.05, 0.5, 1.0)]
+    edges = np.zeros(num_rows, bool)
+    edges[[i for i in (0, 30, 31, 32, 63, 64, num_rows - 1) if i < num_rows]] = True
+    masks.append(edges)
+    for capacity in (1, 3, 32, 40):
+        first = jax.jit(lambda words: sparse_jax.first_set_bits(words, capacity, num_rows))
+        for mask in masks:
+            expected = np.flatnonzero(mask)
+            words = sparse_jax.pack_bits(jnp.asarray(mask))
+            assert int(jnp.sum(jax.lax.population_count(words))) == len(expected)
+            listed = []
+            while len(listed) < len(expected):
+                ids = np.asarray(first(words))
+                listed.extend(ids[ids < num_rows])
+                # Padding only after the real ids, and only in the last round.
+                np.testing.assert_array_equal(ids[ids < num_rows], ids[: np.sum(ids < num_rows)])
+                words = sparse_jax.clear_through(words, jnp.asarray(ids[capacity - 1], jnp.int32))
+            np.testing.assert_array_equal(listed, expected)
+            assert int(jnp.sum(words)) == 0
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="jax.jit(optimizer.stateless_apply) is JAX's XLA path")
+@pytest.mark.parametrize("max_touched_rows", [None, 1, 7, 64])
+def test_jax_rounds_on_a_table_of_many_words(max_touched_rows):
+    """Rows across several 32-row words, in one round or many, against the numpy reference."""
+    import jax
+
+    shape = (100, 4)
+    init = initial_table(shape)
+    variable = keras.Variable(init, name="table")
+    optimizer = kto.EmbeddingAdam(learning_rate=0.01, max_touched_rows=max_touched_rows, **XLA_OPTIONS)
+    optimizer.build([variable])
+    reference = NumpyEmbeddingAdam(init, learning_rate=0.01, **XLA_OPTIONS)
+    apply = jax.jit(optimizer.stateless_apply)
+    optimizer_values = [v.value for v in optimizer.variables]
+    trainable_values = [variable.value]
+    steps = [[0, 31, 32, 63, 64, 99, 31], list(range(0, 100, 3)), [99], list(range(100)) + [5, 5]]
+    for seed, ids in enumerate(steps):
+        gradient = densify(ids, step_values(ids, seed, shape[1:]), shape)
+        trainable_values, optimizer_values = apply(optimizer_values, [ops.convert_to_tensor(gradient)], trainable_values)
+        reference.apply_dense(gradient)
+    for target, value in zip(optimizer.variables, optimizer_values):
+        target.assign(value)
+    variable.assign(trainable_values[0])
+    assert_matches_reference(optimizer, variable, reference)
 
 
 # --------------------------------------------------------------------------- slots, config, validation
