@@ -1,7 +1,9 @@
 """TensorFlow: `tf.IndexedSlices` gradients, deduplicated, gathered and scattered in place.
 
-Runs eagerly, in `tf.function` and under `jit_compile=True` (XLA bounds the
-dynamic row count), and inside `tf.distribute` replica updates.
+Runs eagerly, in `tf.function` and under `jit_compile=True`, and inside
+`tf.distribute` replica updates. Under XLA the duplicates are grouped by a
+sort with static shapes (`grouped_rows`): XLA's `tf.unique` alone costs
+~3 ms on 4096 ids on CPU, twice the whole update.
 """
 
 from __future__ import annotations
@@ -27,6 +29,33 @@ def unique_rows(indices, values, accumulate_duplicates):
     return ids, rows
 
 
+def grouped_rows(indices, values, accumulate_duplicates):
+    """`unique_rows` with static shapes, for XLA: every id keeps its place, carrying its group's row.
+
+    Duplicate ids get identical rows, hence identical updated rows: their
+    scatters write the same values, in whatever order.
+    """
+    n = tf.shape(indices)[0]
+    order = tf.argsort(indices, stable=True)
+    ids = tf.gather(indices, order)
+    starts = tf.concat([[True], tf.not_equal(ids[1:], ids[:-1])], 0)[:n]
+    group = tf.cumsum(tf.cast(starts, tf.int32)) - 1
+    if accumulate_duplicates:
+        rows = tf.gather(tf.math.unsorted_segment_sum(tf.gather(values, order), group, n), group)
+    else:
+        last = tf.math.unsorted_segment_max(order, group, n)  # the last occurrence of each id
+        rows = tf.gather(values, tf.gather(last, group))
+    return ids, rows
+
+
+def _in_xla_context():
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # TF moved it: the static form is right everywhere, only slower without XLA.
+        return True
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
 def touched_rows(gradient):
     """Indices of the rows of a dense gradient with any non-zero (or NaN) entry."""
     if gradient.shape.rank == 1:
@@ -40,7 +69,8 @@ def touched_rows(gradient):
 def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplicates, max_touched_rows):
     del max_touched_rows  # TF shapes may be dynamic, even under XLA.
     if isinstance(gradient, tf.IndexedSlices):
-        ids, grad_rows = unique_rows(gradient.indices, gradient.values, accumulate_duplicates)
+        dedupe = grouped_rows if _in_xla_context() else unique_rows
+        ids, grad_rows = dedupe(gradient.indices, gradient.values, accumulate_duplicates)
     else:
         ids = touched_rows(gradient)
         grad_rows = tf.gather(gradient, ids)
