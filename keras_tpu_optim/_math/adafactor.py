@@ -13,15 +13,20 @@ import keras
 from keras import ops
 
 
-def rms(x):
-    """Root mean square over all elements.
+def mean_square(x):
+    """Mean of `x^2` over all elements.
 
     Reduced in two stages (rows, then their means) for rank >= 2: XLA's CPU
     backend in TF runs a reduction to a scalar on one thread.
     """
     if len(x.shape) >= 2:
-        return ops.sqrt(ops.mean(ops.mean(ops.square(x), axis=-1)))
-    return ops.sqrt(ops.mean(ops.square(x)))
+        return ops.mean(ops.mean(ops.square(x), axis=-1))
+    return ops.mean(ops.square(x))
+
+
+def rms(x):
+    """Root mean square over all elements."""
+    return ops.sqrt(mean_square(x))
 
 
 def relative_step_size(learning_rate, step, relative_step: bool):
@@ -84,33 +89,30 @@ def factored_second_moment(grad, row, column, beta2_t, epsilon_1):
     return row, column
 
 
-def factored_preconditioned_gradient(grad, row, column):
-    """`g / sqrt(V)` with `V = (R / mean(R)) outer C`, never materialising V.
+def factored_preconditioner(grad, row, column):
+    """The factors of `1 / sqrt(V)`, `V = (R / mean(R)) outer C`, never materialising V.
 
-    Returns `(update, mean_square)`: the update and `mean(update^2)`, the
-    latter computed from the factors, `mean_i(r_i^2 * mean_j(g_ij^2 c_j^2))`,
-    so that XLA need not write the update to memory to reduce it.
+    Returns `(row_factor, column_factor, update_mean_square)`: the update is
+    `grad * row_factor[..., :, None] * column_factor[..., None, :]`, and
+    `update_mean_square` is `mean(update^2)` computed from the factors,
+    `mean_i(r_i^2 * mean_j(g_ij^2 c_j^2))`, so that the update need not be
+    written to memory to be reduced.
     """
     row_factor = ops.rsqrt(row / ops.mean(row, axis=-1, keepdims=True))
     column_factor = ops.rsqrt(column)
-    update = grad * ops.expand_dims(row_factor, -1) * ops.expand_dims(column_factor, -2)
     grad, row_factor, column_factor = _separately((grad, row_factor, column_factor))
     row_mean_square = _weighted_row_mean(ops.square(grad), ops.square(column_factor))
-    mean_square = ops.mean(ops.square(row_factor) * row_mean_square)
-    return update, mean_square
+    update_mean_square = ops.mean(ops.square(row_factor) * row_mean_square)
+    return row_factor, column_factor, update_mean_square
 
 
 def unfactored_second_moment(grad_sq, second_moment, beta2_t):
     return beta2_t * second_moment + (1.0 - beta2_t) * grad_sq
 
 
-def clip_by_rms(update, clip_threshold, mean_square=None):
-    """`u / max(1, RMS(u) / d)`: the update clipping of the paper (§6).
-
-    `mean_square`, if given, is `mean(u^2)` computed by the caller.
-    """
-    update_rms = rms(update) if mean_square is None else ops.sqrt(mean_square)
-    return update / ops.maximum(1.0, update_rms / clip_threshold)
+def clip_factor(update_mean_square, clip_threshold):
+    """`1 / max(1, RMS(u) / d)`: the update clipping of the paper (§6), given `mean(u^2)`."""
+    return 1.0 / ops.maximum(1.0, ops.sqrt(update_mean_square) / clip_threshold)
 
 
 def adafactor_update(
@@ -149,13 +151,17 @@ def adafactor_update(
     if len(second_moment_slots) == 2:
         row, column = factored_second_moment(grad, *second_moment_slots, beta2_t, epsilon_1)
         second_moment_slots = (row, column)
-        update, mean_square = factored_preconditioned_gradient(grad, row, column)
+        row_factor, column_factor, update_mean_square = factored_preconditioner(grad, row, column)
+        # The scalars ride on the row factor: two full-size products, not four
+        # (what eager and non-XLA graphs pay for; XLA fuses either form).
+        scale = alpha * clip_factor(update_mean_square, clip_threshold)
+        delta = grad * ops.expand_dims(row_factor * scale, -1) * ops.expand_dims(column_factor, -2)
     else:
         (v,) = second_moment_slots
         v = unfactored_second_moment(ops.square(grad) + epsilon_1, v, beta2_t)
         second_moment_slots = (v,)
-        update, mean_square = grad * ops.rsqrt(v), None
-    delta = alpha * clip_by_rms(update, clip_threshold, mean_square)
+        update = grad * ops.rsqrt(v)
+        delta = update * (alpha * clip_factor(mean_square(update), clip_threshold))
     if beta_1 is not None:
         # Momentum of the scaled update, as optax/t5x: no bias correction.
         momentum = beta_1 * momentum + (1.0 - beta_1) * delta
