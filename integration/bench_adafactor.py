@@ -22,8 +22,9 @@ Peers, each run the way its own framework's trainer runs it:
   (`clip_threshold`), `multiply_by_parameter_scale=True` (optax's floor 1e-3 =
   Keras's `epsilon_2`), `momentum=None`, `weight_decay_rate=None`;
 - TensorFlow: Keras optimizers as `tf.function(optimizer.apply,
-  jit_compile=True)` (what Keras's TF trainer does with jit_compile on), and
-  also without XLA (`jit_compile=False`) for reference;
+  jit_compile=True)` (what Keras's TF trainer does with jit_compile on, its
+  default with a GPU or TPU), and without XLA (`jit_compile=False`: what
+  `fit` runs on a machine without an accelerator, where Keras turns XLA off);
 - torch: Keras optimizers eagerly, `optimizer.apply` under `torch.no_grad()`
   (as Keras's torch trainer); `torch.optim.Adafactor(lr=1e-3)` with torch's
   other defaults (beta2_decay=-0.8, eps=(None, 1e-3), d=1.0 — d is the update
@@ -372,6 +373,9 @@ def main(argv=None):
     targets = [bc.target("state/params", ours["state_over_params"], 0.003)]
     targets.append(bc.target(f"step / {KERAS}", ratio_to(KERAS), 0.6,
                              "XLA path" if backend == "tensorflow" else ""))
+    if backend == "tensorflow":
+        targets.append(bc.target(f"step / {KERAS} (no XLA)", ratio_to(KERAS + " (no XLA)"), 0.6,
+                                 "fit's path on CPU-only machines"))
     if backend == "jax":
         targets.append(bc.target("step / optax.adafactor", ratio_to("optax.adafactor"), 0.8))
     if backend == "torch":

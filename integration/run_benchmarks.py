@@ -142,9 +142,10 @@ def write_markdown(results, status, path, quick):
                 for k, r in af for x in r["ratios"]]
         lines += ["### Ratios, ours / peer", "",
                   _md_table(["backend", "ours", "peer", "step time", "state"], rows), ""]
-        rows = [[k, t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]]]
+        rows = [[k, t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]], t.get("note", "")]
                 for k, r in af for t in r["targets"]]
-        lines += ["### Targets (issue 2)", "", _md_table(["backend", "target", "measured", "goal", "result"], rows), ""]
+        header = ["backend", "target", "measured", "goal", "result", "note"]
+        lines += ["### Targets (issue 2)", "", _md_table(header, rows), ""]
 
     # ------------------------------------------------------------ EmbeddingAdam
     ea = [(k, results[("embedding_adam", k)]) for k in BACKENDS if ("embedding_adam", k) in results]
@@ -187,9 +188,10 @@ def write_markdown(results, status, path, quick):
             errs = [x for x in r["records"] if "error" in x]
             if errs:
                 lines += ["Errors: " + "; ".join(f"`{x['name']}` @{_size(x['rows'])}: {x['error']}" for x in errs), ""]
-        rows = [[k, t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]]]
+        rows = [[k, t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]], t.get("note", "")]
                 for k, r in ea for t in r["targets"]]
-        lines += ["### Targets (issue 3)", "", _md_table(["backend", "target", "measured", "goal", "result"], rows), ""]
+        header = ["backend", "target", "measured", "goal", "result", "note"]
+        lines += ["### Targets (issue 3)", "", _md_table(header, rows), ""]
 
     with open(path, "w") as f:
         f.write("\n".join(lines))

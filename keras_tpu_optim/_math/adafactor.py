@@ -76,7 +76,8 @@ def _weighted_row_mean(x, weights):
     """
     if keras.backend.backend() == "tensorflow":
         product = ops.matmul(x, ops.expand_dims(weights, -1))
-        return ops.squeeze(product, -1) / x.shape[-1]
+        # The static width may be unknown (tf.distribute replica updates).
+        return ops.squeeze(product, -1) / ops.cast(ops.shape(x)[-1], x.dtype)
     return ops.mean(x * ops.expand_dims(weights, -2), axis=-1)
 
 
