@@ -159,7 +159,7 @@ def write_markdown(results, status, path, quick):
             "without XLA; `torch.optim.SparseAdam` on the same ids in a torch-only subprocess. JAX: dense "
             "gradient, `jax.jit(stateless_apply, donate_argnums=(0, 2))`. torch: dense gradient (Keras's torch "
             "backend) and a sparse COO gradient. Peak memory: process RSS during the timed steps above the RSS "
-            "before them (compilation excluded).",
+            "after the warm-up steps (what a step adds to the state).",
             "",
         ]
         for k, r in ea:
