@@ -361,7 +361,7 @@ def main(argv=None):
     ap.add_argument("--sizes", default=None, help="table rows, comma-separated (default 100k,1M,10M; quick: 10k,100k)")
     ap.add_argument("--dim", type=int, default=None, help="embedding dimension (default 64; quick: 16)")
     ap.add_argument("--ids", type=int, default=None, help="ids per step (default 4096; quick: 512)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 20; quick: 3)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 100, within --max-seconds; quick: 3)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="stop timing a configuration after this long, once it has 3 steps (default 20)")
@@ -375,7 +375,7 @@ def main(argv=None):
     args.sizes = [parse_size(s) for s in (args.sizes or ("10k,100k" if args.quick else "100k,1M,10M")).split(",")]
     args.dim = args.dim or (16 if args.quick else 64)
     args.ids = args.ids or (512 if args.quick else 4096)
-    args.steps = args.steps or (3 if args.quick else 20)
+    args.steps = args.steps or (3 if args.quick else 100)
     args.max_seconds = args.max_seconds or (5.0 if args.quick else 20.0)
 
     if args.peer:

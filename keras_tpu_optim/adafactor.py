@@ -170,6 +170,21 @@ class Adafactor(OptimizerBase):
                 **self._hyperparameters(),
             )
             return
+        if keras.backend.backend() == "tensorflow" and not in_stateless_scope():
+            from keras_tpu_optim._fused import tensorflow as fused_tf
+
+            if fused_tf.applicable():
+                fused_tf.adafactor_step(
+                    self,
+                    _sparse.densify(gradient),
+                    variable,
+                    slots,
+                    momentum,
+                    learning_rate=learning_rate,
+                    step=self.iterations + 1,
+                    **self._hyperparameters(),
+                )
+                return
         delta, new_slots, new_momentum = adafactor_math.adafactor_update(
             ops.cast(_sparse.densify(gradient), "float32"),
             ops.cast(variable, "float32"),

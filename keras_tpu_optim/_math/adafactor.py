@@ -83,7 +83,15 @@ def _weighted_row_mean(x, weights):
 
 def factored_second_moment(grad, row, column, beta2_t, epsilon_1):
     """New row (`mean(G2, -1)`) and column (`mean(G2, -2)`) statistics, `G2 = g^2 + epsilon_1`."""
-    row_mean = ops.mean(ops.square(grad), axis=-1) + epsilon_1
+    if keras.backend.backend() == "tensorflow":
+        # The row means as a product with a vector of ones that XLA cannot
+        # fold back into a reduction (a constant would be): the column
+        # statistics are >= 0, so sign(column + 1) is exactly 1 (NaN only if
+        # they already are, when the whole update is NaN anyway).
+        # TF-XLA, BERT-base stack: ~15% of the step (see _weighted_row_mean).
+        row_mean = _weighted_row_mean(ops.square(grad), ops.sign(column + 1.0)) + epsilon_1
+    else:
+        row_mean = ops.mean(ops.square(grad), axis=-1) + epsilon_1
     column_mean = ops.mean(ops.square(_separately(grad)), axis=-2) + epsilon_1
     row = beta2_t * row + (1.0 - beta2_t) * row_mean
     column = beta2_t * column + (1.0 - beta2_t) * column_mean
