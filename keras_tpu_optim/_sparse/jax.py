@@ -81,9 +81,10 @@ def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplic
 
     def update_round(state):
         done, left, tables = state
-        # Padding ids point past the table: gathers read zeros, scatters drop them.
+        # Padding ids point past the table: gathers clip them to the last row (cheaper
+        # than a fill), scatters drop them, so their rows never land.
         ids = first_set_bits(left, capacity, num_rows)
-        gather = lambda x: x.at[ids].get(mode="fill", fill_value=0)
+        gather = lambda x: x.at[ids].get(mode="clip")
         new_rows = update_rows(gather(gradient), *(gather(t) for t in tables))
         tables = tuple(t.at[ids].set(r.astype(t.dtype), mode="drop") for t, r in zip(tables, new_rows))
         return done + capacity, clear_through(left, ids[capacity - 1]), tables
