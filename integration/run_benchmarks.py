@@ -123,7 +123,7 @@ def write_markdown(results, status, path, quick):
             f"gradients; median of {any_r['steps']} steps after {any_r['warmup']} warm-up, all optimizers of a "
             "backend interleaved step by step. Keras optimizers run as Keras's trainers run them: JAX "
             "`jax.jit(stateless_apply, donate_argnums=(0, 2))`, TF `tf.function(apply, jit_compile=True)` "
-            "(and without XLA for reference), torch eager `apply`. `optax.adafactor(learning_rate=1e-3, "
+            "(Keras with an accelerator) and without XLA (what `fit` runs on a CPU-only machine; ours then compiles each variable's update with XLA), torch eager `apply`. `optax.adafactor(learning_rate=1e-3, "
             "min_dim_size_to_factor=1, decay_rate=0.8, eps=1e-30, clipping_threshold=1.0)` (Keras's defaults); "
             "`torch.optim.Adafactor(lr=1e-3)`. Floor: "
             f"{any_r['bytes_per_param']} B/param over the copy bandwidth measured in the run (numpy).",
