@@ -194,15 +194,10 @@ class Adafactor(OptimizerBase):
             step=ops.cast(self.iterations + 1, "float32"),
             **self._hyperparameters(),
         )
-        for slot, value in zip(slots, new_slots):
-            self.assign(slot, value)
-        if momentum is not None:
-            self.assign(momentum, new_momentum)
-        if keras.backend.standardize_dtype(variable.dtype) == "float32":
-            self.assign_sub(variable, delta)
-        else:
-            # Subtract in float32, round once.
-            self.assign(variable, ops.cast(ops.cast(variable, "float32") - delta, variable.dtype))
+        assign_update(
+            variable, delta, slots, new_slots, momentum, new_momentum,
+            assign=self.assign, assign_sub=self.assign_sub,
+        )
 
     def get_config(self):
         config = super().get_config()
@@ -225,3 +220,19 @@ Adafactor.__doc__ = Adafactor.__doc__.replace(
     "{{base_optimizer_keyword_args}}",
     keras.src.optimizers.optimizer.base_optimizer_keyword_args.strip(),
 )
+
+
+def assign_update(variable, delta, slots, new_slots, momentum, new_momentum, *, assign, assign_sub):
+    """Write one step's results: the statistics, the momentum, and `variable - delta`.
+
+    A float32 variable is updated in place; any other dtype is subtracted in
+    float32 and rounded once.
+    """
+    for slot, value in zip(slots, new_slots):
+        assign(slot, value)
+    if momentum is not None:
+        assign(momentum, new_momentum)
+    if keras.backend.standardize_dtype(variable.dtype) == "float32":
+        assign_sub(variable, delta)
+    else:
+        assign(variable, ops.cast(ops.cast(variable, "float32") - delta, variable.dtype))

@@ -18,16 +18,10 @@ import weakref
 import tensorflow as tf
 
 from keras_tpu_optim._math import adafactor as adafactor_math
+from keras_tpu_optim.adafactor import assign_update
+from keras_tpu_optim._tf import in_xla_context, native_variable
 
 _compiled: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def in_xla_context() -> bool:
-    try:
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # TF moved it: say yes, so the caller's plain path runs.
-        return True
-    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
 def applicable() -> bool:
@@ -48,17 +42,12 @@ def adafactor_step(optimizer, grad, variable, second_moment_slots, momentum, *, 
         update = _compiled[optimizer] = tf.function(_assigning_update(hyperparameters), jit_compile=True)
     update(
         tf.convert_to_tensor(grad),
-        _native(variable),
-        tuple(_native(s) for s in second_moment_slots),
-        None if momentum is None else _native(momentum),
+        native_variable(variable),
+        tuple(native_variable(s) for s in second_moment_slots),
+        None if momentum is None else native_variable(momentum),
         tf.convert_to_tensor(learning_rate),
         tf.convert_to_tensor(step),
     )
-
-
-def _native(variable):
-    """The tf.Variable behind a Keras variable (Keras's TF optimizer may pass either)."""
-    return variable if isinstance(variable, tf.Variable) else variable.value
 
 
 def _assigning_update(hyperparameters):
@@ -72,13 +61,10 @@ def _assigning_update(hyperparameters):
             step=tf.cast(step, tf.float32),
             **hyperparameters,
         )
-        for slot, value in zip(slots, new_slots):
-            slot.assign(value)
-        if momentum is not None:
-            momentum.assign(new_momentum)
-        if variable.dtype == tf.float32:
-            variable.assign_sub(delta)
-        else:  # Subtract in float32, round once.
-            variable.assign(tf.cast(tf.cast(variable, tf.float32) - delta, variable.dtype))
+        assign_update(
+            variable, delta, slots, new_slots, momentum, new_momentum,
+            assign=lambda target, value: target.assign(value),
+            assign_sub=lambda target, value: target.assign_sub(value),
+        )
 
     return update

@@ -8,13 +8,9 @@ sort with static shapes (`grouped_rows`): XLA's `tf.unique` alone costs
 
 from __future__ import annotations
 
-import keras
 import tensorflow as tf
 
-
-def _native(variable):
-    """The tf.Variable behind a Keras variable (TF's optimizer may pass either)."""
-    return variable.value if isinstance(variable, keras.Variable) else variable
+from keras_tpu_optim._tf import in_xla_context, native_variable
 
 
 def unique_rows(indices, values, accumulate_duplicates):
@@ -48,14 +44,6 @@ def grouped_rows(indices, values, accumulate_duplicates):
     return ids, rows
 
 
-def _in_xla_context():
-    try:
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # TF moved it: the static form is right everywhere, only slower without XLA.
-        return True
-    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
-
-
 def touched_rows(gradient):
     """Indices of the rows of a dense gradient with any non-zero (or NaN) entry."""
     if gradient.shape.rank == 1:
@@ -69,12 +57,12 @@ def touched_rows(gradient):
 def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplicates, max_touched_rows):
     del max_touched_rows  # TF shapes may be dynamic, even under XLA.
     if isinstance(gradient, tf.IndexedSlices):
-        dedupe = grouped_rows if _in_xla_context() else unique_rows
+        dedupe = grouped_rows if in_xla_context() else unique_rows
         ids, grad_rows = dedupe(gradient.indices, gradient.values, accumulate_duplicates)
     else:
         ids = touched_rows(gradient)
         grad_rows = tf.gather(gradient, ids)
-    targets = [_native(variable)] + [_native(s) for s in slots]
+    targets = [native_variable(variable)] + [native_variable(s) for s in slots]
     new_rows = update_rows(grad_rows, *(tf.gather(t, ids) for t in targets))
     for target, rows in zip(targets, new_rows):
         target.scatter_update(tf.IndexedSlices(tf.cast(rows, target.dtype), ids))
