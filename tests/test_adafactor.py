@@ -24,8 +24,9 @@ BACKEND = keras.backend.backend()
 # Keras's own numpy conversions on torch trip numpy 2's copy-keyword warning, thousands of times.
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
 
-# Rank 0 to 4, with the degenerate 1xN and Nx1 matrices and a rank-3 variable.
-SHAPES = [(), (5,), (1, 7), (6, 1), (4, 6), (2, 3, 5), (2, 2, 3, 4)]
+# Rank 0 to 4, with the degenerate 1xN and Nx1 matrices and a rank-3 variable; the
+# tall ones (>= 16 rows) take TF's folded column means, 37 rows with a remainder.
+SHAPES = [(), (5,), (1, 7), (6, 1), (4, 6), (2, 3, 5), (2, 2, 3, 4), (37, 5), (2, 16, 3)]
 SLOT_SUFFIXES = ("_row_second_moment", "_column_second_moment", "_second_moment", "_momentum")
 
 

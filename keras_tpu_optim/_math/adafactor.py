@@ -17,9 +17,17 @@ def mean_square(x):
     """Mean of `x^2` over all elements.
 
     Reduced in two stages (rows, then their means) for rank >= 2: XLA's CPU
-    backend in TF runs a reduction to a scalar on one thread.
+    backend in TF runs a reduction to a scalar on one thread. On TF the row
+    means are a matrix-vector product (see `_weighted_row_mean`): TF's XLA
+    writes `x^2` to memory before reducing it, but fuses it into a product
+    (a 768x3072 Adafactor step: 3.4 -> 2.6 ms).
     """
     if len(x.shape) >= 2:
+        if keras.backend.backend() == "tensorflow":
+            # Ones that XLA cannot fold into a constant: exactly 1 unless x
+            # holds a NaN in its first row, when the mean is NaN anyway.
+            ones = ops.sign(ops.abs(x[..., 0, :]) + 1.0)
+            return ops.mean(_weighted_row_mean(ops.square(x), ones))
         return ops.mean(ops.mean(ops.square(x), axis=-1))
     return ops.mean(ops.square(x))
 
@@ -81,6 +89,32 @@ def _weighted_row_mean(x, weights):
     return ops.mean(x * ops.expand_dims(weights, -2), axis=-1)
 
 
+_FOLDS = 8
+
+
+def _column_mean(x):
+    """`mean(x, axis=-2)`.
+
+    On TensorFlow the rows are first folded onto an eighth of them by adding
+    eight row blocks: TF's XLA CPU backend writes `x` (here `g^2`) to memory
+    before a column reduction, but fuses it into those additions, and the
+    reduction that is left reads an eighth of the data (768x3072: 0.97 ->
+    0.33 ms; 32000x768: 8.1 -> 3.5 ms). More blocks, or a second fold, were
+    slower.
+    """
+    rows = x.shape[-2]
+    if keras.backend.backend() != "tensorflow" or rows is None or rows < 2 * _FOLDS:
+        return ops.mean(x, axis=-2)
+    height = rows // _FOLDS
+    folded = x[..., :height, :]
+    for block in range(1, _FOLDS):
+        folded = folded + x[..., block * height : (block + 1) * height, :]
+    total = ops.sum(folded, axis=-2)
+    if rows % _FOLDS:
+        total = total + ops.sum(x[..., _FOLDS * height :, :], axis=-2)
+    return total / rows
+
+
 def factored_second_moment(grad, row, column, beta2_t, epsilon_1):
     """New row (`mean(G2, -1)`) and column (`mean(G2, -2)`) statistics, `G2 = g^2 + epsilon_1`."""
     if keras.backend.backend() == "tensorflow":
@@ -92,7 +126,7 @@ def factored_second_moment(grad, row, column, beta2_t, epsilon_1):
         row_mean = _weighted_row_mean(ops.square(grad), ops.sign(column + 1.0)) + epsilon_1
     else:
         row_mean = ops.mean(ops.square(grad), axis=-1) + epsilon_1
-    column_mean = ops.mean(ops.square(_separately(grad)), axis=-2) + epsilon_1
+    column_mean = _column_mean(ops.square(_separately(grad))) + epsilon_1
     row = beta2_t * row + (1.0 - beta2_t) * row_mean
     column = beta2_t * column + (1.0 - beta2_t) * column_mean
     return row, column
