@@ -6,6 +6,7 @@ import functools
 
 import keras
 from keras import ops
+from keras.src.backend.common.stateless_scope import in_stateless_scope
 
 from keras_tpu_optim import _common, _sparse
 from keras_tpu_optim._base import OptimizerBase
@@ -299,11 +300,24 @@ class EmbeddingAdam(OptimizerBase):
     def update_step(self, gradient, variable, learning_rate):
         """Update the rows of `variable` present in `gradient` (all rows if not lazy)."""
         slots = self._slots[self._get_variable_index(variable)]
-        update_rows = functools.partial(
-            _update_rows_in_float32,
-            learning_rate=self.bias_corrected_learning_rate(learning_rate),
-            options=self.row_update_options(variable),
-        )
+        learning_rate = self.bias_corrected_learning_rate(learning_rate)
+        options = self.row_update_options(variable)
+        if self.lazy_adam and keras.backend.backend() == "tensorflow" and not in_stateless_scope():
+            from keras_tpu_optim._sparse import tensorflow as sparse_tf
+
+            if sparse_tf.compiled_update_applies(gradient):
+                sparse_tf.compiled_lazy_row_update(
+                    self,
+                    _update_rows_in_float32,
+                    options,
+                    learning_rate,
+                    gradient,
+                    variable,
+                    slots,
+                    accumulate_duplicates=self.use_gradient_accumulation,
+                )
+                return
+        update_rows = functools.partial(_update_rows_in_float32, learning_rate=learning_rate, options=options)
         if self.lazy_adam:
             _sparse.lazy_row_update(
                 update_rows,

@@ -608,6 +608,59 @@ def test_tensorflow_xla_with_indexed_slices(use_gradient_accumulation, ids_dtype
         assert_matches_reference(optimizer, variable, reference)
 
 
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.function(jit_compile=True) is TensorFlow's XLA path")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rank", [1, 2])
+def test_tensorflow_xla_sums_duplicates_in_the_table_without_copying_it(dtype, rank):
+    """Under XLA duplicate ids are summed in the touched rows of a table (float32 first).
+
+    Same numbers as the reference, untouched rows bit-for-bit, a non-finite
+    row does not leak into the sums, and the compiled step has no copy of a
+    table (XLA copies one if it cannot order the reads before the writes).
+    """
+    import tensorflow as tf
+
+    init = initial_table() if rank == 2 else initial_table()[:, 0].copy()
+    init[5] = np.nan  # row 5's weights: its slots must still get exact gradient sums
+    variable = keras.Variable(init, name="table", dtype=dtype)
+    optimizer = kto.EmbeddingAdam(learning_rate=0.05)
+    optimizer.build([variable])
+    numpy_dtype = _bfloat16() if dtype == "bfloat16" else np.dtype(dtype)
+    reference = NumpyEmbeddingAdam(init, learning_rate=0.05, weight_dtype=numpy_dtype)
+
+    @tf.function(jit_compile=True)
+    def train_step(ids, values):
+        gradient = tf.IndexedSlices(values, ids, dense_shape=tf.constant(init.shape, tf.int32))
+        optimizer.apply([gradient], [variable])
+
+    def arguments(ids, seed):
+        values = step_values(ids, seed)
+        values = values if rank == 2 else values[:, 0]
+        return np.asarray(ids, np.int64), values.astype(numpy_dtype)
+
+    hlo = train_step.experimental_get_compiler_ir(*(tf.constant(a) for a in arguments(STEP_IDS[0], 0)))(
+        stage="optimized_hlo"
+    )
+    table_shape = ",".join(str(d) for d in init.shape)
+    copies = [line for line in hlo.splitlines() if f"[{table_shape}]" in line and " copy(" in line]
+    assert not copies, "the compiled step copies a table:\n" + "\n".join(copies)
+
+    for seed, ids in enumerate(STEP_IDS + [[5, 5, 2]]):
+        before = state(optimizer, variable)
+        ids_np, values = arguments(ids, seed)
+        train_step(tf.constant(ids_np), tf.constant(values))
+        reference.apply_sparse(ids_np, values.astype(np.float32))
+        ulp = 2.0**-7 if dtype == "bfloat16" else 2.0**-23
+        weights, momenta, velocities = state(optimizer, variable)
+        np.testing.assert_allclose(weights, reference.weights.astype(np.float64), rtol=4 * ulp, atol=1e-6)
+        np.testing.assert_allclose(momenta, reference.momenta, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(velocities, reference.velocities, rtol=1e-5, atol=1e-7)
+        untouched = np.setdiff1d(np.arange(init.shape[0]), ids_np)
+        for old, new in zip(before, (weights, momenta, velocities)):
+            np.testing.assert_array_equal(new[untouched], old[untouched])
+    assert np.all(np.isnan(weights[5])) and np.all(np.isfinite(momenta[5])) and np.any(momenta[5] != 0)
+
+
 @pytest.mark.skipif(BACKEND != "jax", reason="jax.jit(optimizer.stateless_apply) is JAX's XLA path")
 @pytest.mark.parametrize("max_touched_rows", [None, 2, 5])
 @pytest.mark.parametrize("rank", [1, 2])
