@@ -1,12 +1,13 @@
 """TensorFlow: `tf.IndexedSlices` gradients, deduplicated, gathered and scattered in place.
 
 Runs eagerly, in `tf.function` and under `jit_compile=True`, and inside
-`tf.distribute` replica updates. Under XLA the duplicates are grouped by a
-sort with static shapes (`grouped_rows`): XLA's `tf.unique` alone costs
-~3 ms on 4096 ids on CPU, twice the whole update. Outside XLA (what `fit`
-runs on a machine without an accelerator, and eager code) `tf.unique`'s hash
-groups the ids and everything after it is one XLA computation
-(`compiled_lazy_row_update`).
+`tf.distribute` replica updates. XLA's `tf.unique` alone costs ~3 ms on 4096
+ids on CPU, twice the whole update, so under XLA duplicates are summed in the
+touched rows of a table (`_accumulate_and_update`), or, when the last
+occurrence wins, grouped by a sort with static shapes (`grouped_rows`).
+Outside XLA (what `fit` runs on a machine without an accelerator, and eager
+code) `tf.unique`'s hash groups the ids and everything after it is one XLA
+computation (`compiled_lazy_row_update`).
 """
 
 from __future__ import annotations
