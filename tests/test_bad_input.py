@@ -228,3 +228,19 @@ def test_skip_nonfinite_updates_inside_compiled_fit(kind, cls):
     assert int(skipping.optimizer.iterations) == int(clean.optimizer.iterations) == 3
     for a, b in zip(weights_of(skipping) + optimizer_state(skipping.optimizer), weights_of(clean) + optimizer_state(clean.optimizer)):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.IndexedSlices gradients are TensorFlow's")
+@pytest.mark.parametrize("bad_id", [-1, 3])
+def test_indexed_slices_with_a_row_out_of_range_is_an_error(bad_id):
+    import tensorflow as tf
+
+    table = keras.Variable(np.arange(12, dtype="float32").reshape(3, 4) / 10, name="table")
+    optimizer = kto.EmbeddingAdam(learning_rate=0.1)
+    good = tf.IndexedSlices(tf.ones([2, 4]), tf.constant([0, 2]), tf.constant([3, 4]))
+    optimizer.apply([good], [table])
+    before = _snapshot(optimizer, [table])
+    bad = tf.IndexedSlices(tf.ones([2, 4]), tf.constant([1, bad_id]), tf.constant([3, 4]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"gradient of .*table.* outside \[0, number of rows\)"):
+        optimizer.apply([bad], [table])
+    _assert_unchanged(before, optimizer, [table])

@@ -167,9 +167,28 @@ def compiled_lazy_row_update(
         update = functions[key] = tf.function(
             _compilable_update(row_function, options, accumulate_duplicates), jit_compile=True
         )
-    _, group = tf.unique(gradient.indices)
     targets = [native_variable(variable)] + [native_variable(s) for s in slots]
-    update(gradient.indices, group, gradient.values, tf.convert_to_tensor(learning_rate), targets)
+    indices = _checked_indices(gradient.indices, tf.shape(targets[0], out_type=gradient.indices.dtype)[0], variable)
+    _, group = tf.unique(indices)
+    update(indices, group, gradient.values, tf.convert_to_tensor(learning_rate), targets)
+
+
+def _checked_indices(indices, num_rows, variable):
+    """`indices`, after checking they name rows of the table.
+
+    XLA clips out-of-range gathers and drops out-of-range scatters; TF's own
+    kernels (the path this replaces) raise. An index out of range is a bug
+    upstream: say so rather than update nothing for it.
+    """
+    name = getattr(variable, "path", None) or getattr(variable, "name", "the table")
+    message = f"EmbeddingAdam: the gradient of {name} has row indices outside [0, number of rows)"
+    with tf.control_dependencies(
+        [
+            tf.debugging.assert_non_negative(indices, message=message),
+            tf.debugging.assert_less(indices, num_rows, message=message),
+        ]
+    ):
+        return tf.identity(indices)
 
 
 def _compilable_update(row_function, options, accumulate_duplicates):
