@@ -172,8 +172,9 @@ class Adafactor(OptimizerBase):
             return
         if keras.backend.backend() == "tensorflow" and not in_stateless_scope():
             from keras_tpu_optim._fused import tensorflow as fused_tf
+            from keras_tpu_optim._tf import compiling_helps
 
-            if fused_tf.applicable():
+            if compiling_helps():
                 fused_tf.adafactor_step(
                     self,
                     _sparse.densify(gradient),

@@ -13,33 +13,20 @@ strategy (its replica and mirrored variables stay on TF's own path).
 
 from __future__ import annotations
 
-import weakref
-
 import tensorflow as tf
 
 from keras_tpu_optim._math import adafactor as adafactor_math
+from keras_tpu_optim._tf import compiled_function, native_variable
 from keras_tpu_optim.adafactor import assign_update
-from keras_tpu_optim._tf import in_xla_context, native_variable
-
-_compiled: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def applicable() -> bool:
-    """Whether compiling the update helps: no XLA around it, no distribution strategy."""
-    return not tf.distribute.has_strategy() and not in_xla_context()
 
 
 def adafactor_step(optimizer, grad, variable, second_moment_slots, momentum, *, learning_rate, step, **hyperparameters):
     """`adafactor_update` and its assignments, in place, as one XLA computation.
 
-    `variable`, the slots and `momentum` (or None) are Keras or TF variables.
-    The compiled function is the optimizer's own: a trace made inside one
-    model's train function must not be called from another's (TF then
-    refers to the first model's variables).
+    `variable`, the slots and `momentum` (or None) are Keras or TF variables;
+    the compiled function is the optimizer's own (`compiled_function`).
     """
-    update = _compiled.get(optimizer)
-    if update is None:
-        update = _compiled[optimizer] = tf.function(_assigning_update(hyperparameters), jit_compile=True)
+    update = compiled_function(optimizer, "adafactor", lambda: _assigning_update(hyperparameters))
     update(
         tf.convert_to_tensor(grad),
         native_variable(variable),

@@ -12,11 +12,9 @@ computation (`compiled_lazy_row_update`).
 
 from __future__ import annotations
 
-import weakref
-
 import tensorflow as tf
 
-from keras_tpu_optim._tf import in_xla_context, native_variable
+from keras_tpu_optim._tf import compiled_function, compiling_helps, in_xla_context, native_variable
 
 
 def unique_rows(indices, values, accumulate_duplicates):
@@ -73,8 +71,9 @@ def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplic
     targets = [native_variable(variable)] + [native_variable(s) for s in slots]
     if isinstance(gradient, tf.IndexedSlices):
         if in_xla_context():
-            if accumulate_duplicates and _accumulator(targets, gradient.values.dtype) is not None:
-                _accumulate_and_update(update_rows, gradient.indices, gradient.values, targets)
+            accumulator = _accumulator(targets, gradient.values.dtype) if accumulate_duplicates else None
+            if accumulator is not None:
+                _accumulate_and_update(update_rows, gradient.indices, gradient.values, targets, accumulator)
                 return
             ids, grad_rows = grouped_rows(gradient.indices, gradient.values, accumulate_duplicates)
         else:
@@ -109,8 +108,8 @@ def _accumulator(targets, grad_dtype):
     return None
 
 
-def _accumulate_and_update(update_rows, indices, values, targets):
-    """The lazy update under XLA, duplicates summed in the touched rows of a target table.
+def _accumulate_and_update(update_rows, indices, values, targets, i):
+    """The lazy update under XLA, duplicates summed in the touched rows of `targets[i]`.
 
     No sort, no table-sized temporary: the old rows of every target are
     gathered; the accumulator's touched rows are zeroed and the gradient rows
@@ -121,7 +120,6 @@ def _accumulate_and_update(update_rows, indices, values, targets):
     1.9 ms against sorting the ids, of which XLA's sort alone takes ~0.5.)
     """
     old_rows = [tf.gather(t, indices) for t in targets]
-    i = _accumulator(targets, values.dtype)
     accumulator, old = targets[i], old_rows[i]
     # Zeros computed from the old rows (0 for non-finite ones too): with a
     # constant, XLA cannot see that the gather comes first and copies the
@@ -133,14 +131,9 @@ def _accumulate_and_update(update_rows, indices, values, targets):
     _scatter(targets, update_rows(grad_rows, *old_rows), indices)
 
 
-# Per owner (the optimizer): its compiled updates, by (row function, options,
-# accumulation). A trace belongs to its owner, as in `_fused.tensorflow`.
-_compiled: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def compiled_update_applies(gradient) -> bool:
     """Whether `compiled_lazy_row_update` takes this gradient: an IndexedSlices outside XLA and tf.distribute."""
-    return isinstance(gradient, tf.IndexedSlices) and not tf.distribute.has_strategy() and not in_xla_context()
+    return isinstance(gradient, tf.IndexedSlices) and compiling_helps()
 
 
 def compiled_lazy_row_update(
@@ -160,13 +153,11 @@ def compiled_lazy_row_update(
     `row_function(grad, weight, momenta, velocities, *, learning_rate,
     options)` is the row update; `options` must be hashable.
     """
-    functions = _compiled.setdefault(owner, {})
-    key = (row_function, options, accumulate_duplicates)
-    update = functions.get(key)
-    if update is None:
-        update = functions[key] = tf.function(
-            _compilable_update(row_function, options, accumulate_duplicates), jit_compile=True
-        )
+    update = compiled_function(
+        owner,
+        ("lazy_row_update", row_function, options, accumulate_duplicates),
+        lambda: _compilable_update(row_function, options, accumulate_duplicates),
+    )
     targets = [native_variable(variable)] + [native_variable(s) for s in slots]
     indices = _checked_indices(gradient.indices, tf.shape(targets[0], out_type=gradient.indices.dtype)[0], variable)
     _, group = tf.unique(indices)
