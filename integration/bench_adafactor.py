@@ -1,7 +1,7 @@
 """Adafactor benchmark: keras_tpu_optim.Adafactor against its peers, side by side.
 
-Runs on one Keras backend (KERAS_BACKEND), on the BERT-base-like stack of
-SPEC.md §5 (a 32000x768 embedding, then 12 x [768x2304 + 2304, 768x768 + 768,
+Runs on one Keras backend (KERAS_BACKEND), on a BERT-base-like stack
+(a 32000x768 embedding, then 12 x [768x2304 + 2304, 768x768 + 768,
 768x3072 + 3072, 3072x768 + 768, two 768 vectors]: 109.6M float32 parameters,
 random-normal gradients). It prints, per optimizer, the optimizer-state size
 over the parameter size and the median step time over `--steps` steps after
@@ -35,7 +35,7 @@ Peers, each run the way its own framework's trainer runs it:
 The memory-bandwidth floor: an Adafactor step has to stream the gradient and
 the parameters at least twice (statistics, then the update; RMS(param) and
 RMS(update) are further reductions) and write the parameters once: about 24
-bytes per float32 parameter (SPEC.md §5). The floor is 24 B x params divided by
+bytes per float32 parameter. The floor is 24 B x params divided by
 the copy bandwidth measured here with numpy (a copy of N bytes moves 2N).
 
 Usage:
@@ -52,8 +52,7 @@ import sys
 import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's start-up chatter out of the tables
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_common as bc  # noqa: E402
+import bench_common as bc  # noqa: E402  (the script's folder is on sys.path)
 
 BYTES_PER_PARAM = 24
 OURS = "keras_tpu_optim.Adafactor"
@@ -61,7 +60,7 @@ KERAS = "keras.optimizers.Adafactor"
 
 
 def stack_shapes(quick: bool):
-    """The BERT-base-like stack of SPEC.md §5 (or a tiny one for smoke tests)."""
+    """The BERT-base-like stack of the README's benchmark section (or a tiny one for smoke tests)."""
     vocab, d, ff, layers = (1000, 64, 256, 2) if quick else (32000, 768, 3072, 12)
     shapes = [(vocab, d)]
     for _ in range(layers):
@@ -293,7 +292,7 @@ def main(argv=None):
     machine = bc.machine_info()
     print(f"Adafactor benchmark — backend {backend}, keras {keras.__version__}")
     print(f"machine: {machine['cpu']}, {machine['cores']} cores, {machine['mem_gib']} GiB; load {machine['loadavg']}")
-    print(f"stack: {'quick' if args.quick else 'BERT-base-like (SPEC.md §5)'}, {len(shapes)} variables, "
+    print(f"stack: {'quick' if args.quick else 'BERT-base-like'}, {len(shapes)} variables, "
           f"{n_params / 1e6:.1f}M float32 params; {steps} timed steps after {args.warmup} warm-up\n", flush=True)
 
     bw = bc.memcpy_bandwidth(64 * 2**20 if args.quick else 512 * 2**20)

@@ -23,8 +23,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import bench_common as bc  # noqa: E402
+import bench_common as bc  # noqa: E402  (the script's folder is on sys.path)
 
 BACKENDS = ("tensorflow", "jax", "torch")
 BENCHES = ("adafactor", "embedding_adam")
@@ -119,7 +118,7 @@ def write_markdown(results, status, path, quick):
         lines += [
             "## Adafactor",
             "",
-            f"BERT-base-like stack of SPEC.md §5: {any_r['n_params'] / 1e6:.1f}M float32 parameters, random-normal "
+            f"BERT-base-like stack (a 32000x768 embedding, then 12 x [768x2304 + 2304, 768x768 + 768, 768x3072 + 3072, 3072x768 + 768, 2 x 768]): {any_r['n_params'] / 1e6:.1f}M float32 parameters, random-normal "
             f"gradients; median of {any_r['steps']} steps after {any_r['warmup']} warm-up, all optimizers of a "
             "backend interleaved step by step. Keras optimizers run as Keras's trainers run them: JAX "
             "`jax.jit(stateless_apply, donate_argnums=(0, 2))`, TF `tf.function(apply, jit_compile=True)` "

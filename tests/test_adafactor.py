@@ -2,7 +2,7 @@
 
 References: `keras.optimizers.Adafactor` wherever its behaviour and ours coincide
 (default arguments, every base keyword), and `tests/reference/numpy_adafactor.py`,
-numpy written from SPEC.md §2, for everything Keras lacks. Nothing here compares
+numpy written from docs/algorithms.md#adafactor, for everything Keras lacks. Nothing here compares
 the optimizer with its own output.
 """
 
@@ -442,7 +442,7 @@ def test_tf_function_jit_compile_matches_numpy(kwargs):
 
 
 def bert_base_like_shapes():
-    """SPEC.md §5: a 32000x768 embedding, then 12 transformer layers."""
+    """The benchmark's BERT-base-like stack: a 32000x768 embedding, then 12 transformer layers."""
     shapes = [(32000, 768)]
     for _ in range(12):
         shapes += [(768, 2304), (2304,), (768, 768), (768,), (768, 3072), (3072,), (3072, 768), (768,)]

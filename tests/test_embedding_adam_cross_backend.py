@@ -1,6 +1,6 @@
 """One recommender, trained with EmbeddingAdam on TensorFlow, JAX and torch, ends with the same weights.
 
-SPEC.md section 3: the touched-row rule is the same on every backend (a sparse
+docs/algorithms.md#embeddingadam: the touched-row rule is the same on every backend (a sparse
 gradient's indices on TensorFlow, the non-zero rows of the dense gradients on JAX
 and torch), so the same model from the same weights gives the same numbers. The
 test launches tests/_cross_backend_recommender.py in one subprocess per backend

@@ -1,7 +1,7 @@
 """`keras_tpu_optim.tpu.to_tpu_embedding`: the export of EmbeddingAdam to the TPU embedding engines.
 
 Numbers are checked against tests/reference/numpy_tpu_rows.py (numpy from
-SPEC.md §3-4). TensorFlow is imported only by the TensorFlow tests, so the torch
+docs/algorithms.md#embeddingadam and #export-to-tpu-embedding-engines). TensorFlow is imported only by the TensorFlow tests, so the torch
 run never loads it.
 """
 
@@ -42,7 +42,7 @@ LEARNING_RATES = {
     ),
 }
 
-# Every option combination of SPEC.md §3 that changes the row update.
+# Every option combination of docs/algorithms.md#embeddingadam that changes the row update.
 ROW_OPTIONS = {
     "defaults": {},
     "sum_outside_sqrt": dict(sum_inside_sqrt=False, epsilon=1e-3),
@@ -65,7 +65,7 @@ ROW_OPTIONS = {
 
 
 def engine_options(kwargs):
-    """The engine configuration SPEC.md §3 implies for EmbeddingAdam(**kwargs), written out by hand."""
+    """The engine configuration docs/algorithms.md#embeddingadam implies for EmbeddingAdam(**kwargs), written out by hand."""
     clip = kwargs.get("clipvalue")
     if clip is not None and not isinstance(clip, tuple):
         clip = (-clip, clip)
@@ -368,7 +368,7 @@ def test_jax_row_computation_equals_embedding_adam_on_a_table(name):
     initial = random_rows(0, rows=10)
     table = keras.Variable(initial, name="table")
     optimizer.build([table])
-    momenta_slot, velocities_slot = optimizer._slots[0]
+    momenta_slot, velocities_slot = optimizer.state_of(table).slots
     touched = np.array([2, 5, 9])
     engine = [initial[touched], np.zeros((3, 8), np.float32), np.zeros((3, 8), np.float32)]
     for step in range(3):

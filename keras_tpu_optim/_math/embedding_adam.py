@@ -1,4 +1,4 @@
-"""EmbeddingAdam's per-row update as one pure function (SPEC.md §3).
+"""EmbeddingAdam's per-row update as one pure function (docs/algorithms.md#embeddingadam).
 
 `row_update` is the single source of truth for the math: the Keras optimizer
 calls it on the gathered rows of a table (or on the whole table), and the TPU

@@ -1,1 +1,1 @@
-"""Independent references: numpy written from SPEC.md's formulas, never from the package's code."""
+"""Independent references: numpy written from the formulas of docs/algorithms.md, never from the package's code."""

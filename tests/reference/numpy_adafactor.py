@@ -1,4 +1,4 @@
-"""Adafactor in plain numpy, written from SPEC.md §2 (not from the package's code).
+"""Adafactor in plain numpy, written from docs/algorithms.md#adafactor (not from the package's code).
 
 All arithmetic is float64; a variable of a lower-precision dtype (float32,
 bfloat16, float16) is read in float64 and its new value rounded once back to

@@ -1,4 +1,4 @@
-"""EmbeddingAdam in numpy, written from SPEC.md section 3 (not from the package's code).
+"""EmbeddingAdam in numpy, written from docs/algorithms.md#embeddingadam (not from the package's code).
 
 For every updated row r at step t (1-based)::
 
@@ -17,7 +17,7 @@ every row. Duplicate indices are summed first with gradient accumulation; withou
 it, each occurrence is computed from the pre-step row and the last one wins.
 
 The arithmetic is float64; the weights are stored in `weight_dtype` after each
-step (a float32 computation cast back once, as the SPEC asks for low-precision
+step (a float32 computation cast back once, as docs/algorithms.md promises for low-precision
 tables, differs from this by at most one rounding of the stored weight).
 """
 
@@ -56,7 +56,7 @@ def clip_by_norm(gradient, clipnorm):
 
 def adam_row(gradient, weight, momenta, velocities, lr_t, *, beta_1, beta_2, epsilon, sum_inside_sqrt,
              clip_weight_min, clip_weight_max, weight_decay_factor, multiply_by_learning_rate):
-    """One row (or a stack of rows) of SPEC.md section 3, after gradient clipping."""
+    """One row (or a stack of rows) of docs/algorithms.md#embeddingadam, after gradient clipping."""
     if weight_decay_factor is not None:
         decay = weight_decay_factor * (lr_t if multiply_by_learning_rate else 1.0)
         weight = weight - decay * weight

@@ -1,9 +1,9 @@
-"""What a TPU embedding engine computes for one row, in numpy, from SPEC.md §3-4.
+"""What a TPU embedding engine computes for one row, in numpy, from docs/algorithms.md#embeddingadam and #export-to-tpu-embedding-engines.
 
 The engines apply Adam with no bias correction (TF's optimization_parameters.proto,
 AdamParameters): the bias correction lives entirely in the dynamic learning rate
 they are fed, `lr_t = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)`. Given that rate,
-a row is updated exactly as SPEC.md §3 says. Float64 throughout; written from
+a row is updated exactly as docs/algorithms.md#embeddingadam says. Float64 throughout; written from
 the formulas, not from the package's code.
 """
 
