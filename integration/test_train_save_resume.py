@@ -16,8 +16,6 @@ import numpy as np
 import pytest
 
 TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
-sys.path.insert(0, TESTS)
-
 from _kto_models import compile_model, fit_steps, make_data, make_model, make_optimizer, optimizer_state, weights_of  # noqa: E402
 
 BACKEND = keras.backend.backend()

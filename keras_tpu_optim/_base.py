@@ -5,48 +5,20 @@ optional skip of steps with non-finite gradients."""
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple, Optional
 
 import keras
 import numpy as np
 from keras import ops
 
-from keras_tpu_optim import _common, _saving
+from keras_tpu_optim import _backend, _checks, _private, _saving, _slots
 
 
-def _static_shape(gradient, variable):
-    """The gradient's shape as a tuple (None for unknown dims), sparse gradients included."""
-    values = getattr(gradient, "values", None)
-    if values is not None and hasattr(gradient, "indices") and not callable(values):
-        # tf.IndexedSlices: rows along axis 0, the rest must match.
-        return (variable.shape[0],) + tuple(values.shape[1:])
-    return tuple(gradient.shape)
+class VariableState(NamedTuple):
+    """An optimizer's state for one model variable."""
 
-
-def _gradient_values(gradient):
-    """The stored values of a gradient: a sparse gradient's values, a dense one itself."""
-    values = getattr(gradient, "values", None)
-    if values is not None and hasattr(gradient, "indices") and not callable(values):
-        return values  # tf.IndexedSlices
-    if getattr(gradient, "is_sparse", False):
-        return gradient._values()  # torch sparse COO (duplicates do not matter here)
-    return gradient
-
-
-def _unscale(gradient, scale):
-    if gradient is None:
-        return None
-    values = getattr(gradient, "values", None)
-    if values is not None and hasattr(gradient, "indices") and not callable(values):
-        return type(gradient)(values / scale, gradient.indices, gradient.dense_shape)  # tf.IndexedSlices
-    return gradient / scale
-
-
-def all_finite(grads):
-    """A scalar boolean tensor: every entry of every gradient is finite."""
-    checks = [ops.all(ops.isfinite(_gradient_values(g))) for g in grads if g is not None]
-    if not checks:
-        return ops.convert_to_tensor(True)
-    return ops.all(ops.stack(checks))
+    slots: tuple
+    momentum: Optional[keras.Variable] = None
 
 
 class OptimizerBase(keras.optimizers.Optimizer):
@@ -73,21 +45,45 @@ class OptimizerBase(keras.optimizers.Optimizer):
     """
 
     def __init__(self, *args, skip_nonfinite_updates=False, **kwargs):
-        _check_base_arguments(*args, **kwargs)
+        _checks.check_base_arguments(*args, **kwargs)
         super().__init__(*args, **kwargs)
-        self.skip_nonfinite_updates = _common.check_bool("skip_nonfinite_updates", skip_nonfinite_updates)
+        self.skip_nonfinite_updates = _checks.check_bool("skip_nonfinite_updates", skip_nonfinite_updates)
+
+    @property
+    def _backend(self):
+        """The active backend's kernels (`keras_tpu_optim._backend`), resolved once per process."""
+        return _backend.get()
 
     # ---------------------------------------------------------------- build
 
     def build(self, var_list):
+        """Check the variables, build Keras's state, then each variable's (`make_state`)."""
+        if self.built:
+            return
         for variable in var_list:
             dtype = keras.backend.standardize_dtype(variable.dtype)
             if not dtype.startswith(("float", "bfloat")):
                 raise ValueError(
                     f"{type(self).__name__} can only optimize floating-point variables; "
-                    f"variable '{variable.path}' has dtype {dtype}."
+                    f"variable '{_slots.variable_path(variable)}' has dtype {dtype}."
                 )
         super().build(var_list)
+        _slots.record_keras_roles(self)
+        self._platforms = [self._backend.platform_of(v) for v in var_list]
+        self._states = [
+            None if _private.overwritten_with_gradient(self, v) else self.make_state(v) for v in var_list
+        ]
+
+    def make_state(self, variable) -> VariableState:
+        """Create the optimizer's state for one model variable (subclasses)."""
+        raise NotImplementedError
+
+    def state_of(self, variable) -> VariableState:
+        return self._states[_private.variable_index(self, variable)]
+
+    def platform_of(self, variable) -> str:
+        """Where `variable` lives (`"cpu"`, `"gpu"`, `"tpu"`, ...), which picks its kernels."""
+        return self._platforms[_private.variable_index(self, variable)]
 
     # ---------------------------------------------------------------- apply
 
@@ -100,24 +96,24 @@ class OptimizerBase(keras.optimizers.Optimizer):
                 f"{type(self).__name__}.apply() received an empty list of gradients; "
                 "pass one gradient per trainable variable."
             )
-        variables = self._trainable_variables if trainable_variables is None else list(trainable_variables)
+        variables = _private.trainable_variables(self) if trainable_variables is None else list(trainable_variables)
         if variables is not None and len(variables) == len(grads):
             for gradient, variable in zip(grads, variables):
                 if gradient is None:
                     continue
-                shape = _static_shape(gradient, variable)
+                shape = self._backend.gradient_shape(gradient, variable)
                 if len(shape) != len(variable.shape) or any(
                     g is not None and g != v for g, v in zip(shape, variable.shape)
                 ):
                     raise ValueError(
-                        f"{type(self).__name__}: the gradient for variable '{variable.path}' "
+                        f"{type(self).__name__}: the gradient for variable '{_slots.variable_path(variable)}' "
                         f"has shape {shape}, but the variable has shape {tuple(variable.shape)}."
                     )
         self._check_learning_rate_is_scalar()
         if self.loss_scale_factor is not None:
             # Keras unscales with `g / scale`, which tf.IndexedSlices does not
             # support; unscale here, sparse gradients included, instead.
-            grads = [_unscale(g, self.loss_scale_factor) for g in grads]
+            grads = [None if g is None else self._backend.unscale(g, self.loss_scale_factor) for g in grads]
             loss_scale_factor, self.loss_scale_factor = self.loss_scale_factor, None
             try:
                 return self._apply_unscaled(grads, trainable_variables, variables)
@@ -133,25 +129,17 @@ class OptimizerBase(keras.optimizers.Optimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(variables)
             self.built = True
-        finite = all_finite(grads)
-        keras_apply = super().apply
-        if keras.backend.backend() == "jax":
-            # JAX branches must be pure: apply, then keep the old or the new
-            # values of every variable (stateless under jit, eager outside).
-            state = list(self._trainable_variables) + list(self.variables)
-            before = [v.value for v in state]
-            keras_apply(grads, trainable_variables)
-            after = [v.value for v in state]
-            import jax  # Only on the JAX backend.
-
-            kept = jax.lax.cond(finite, lambda: after, lambda: before)
-            for variable, value in zip(state, kept):
-                variable.assign(value)
-            return None
-        # TF (tf.cond: only the taken branch runs, sparse updates stay sparse)
-        # and torch (eager: a Python branch).
-        ops.cond(finite, lambda: keras_apply(grads, trainable_variables), lambda: None)
+        finite = self._all_finite(grads)
+        state = _private.trainable_variables(self) + list(self.variables)
+        self._backend.apply_if(finite, lambda: super(OptimizerBase, self).apply(grads, trainable_variables), state)
         return None
+
+    def _all_finite(self, grads):
+        """A scalar boolean tensor: every entry of every gradient is finite."""
+        checks = [ops.all(ops.isfinite(self._backend.gradient_values(g))) for g in grads if g is not None]
+        if not checks:
+            return ops.convert_to_tensor(True)
+        return ops.all(ops.stack(checks))
 
     def _check_learning_rate_is_scalar(self):
         learning_rate = self.learning_rate
@@ -159,7 +147,7 @@ class OptimizerBase(keras.optimizers.Optimizer):
         if shape:
             raise ValueError(
                 f"{type(self).__name__}: the learning rate must be a scalar, but "
-                f"{self._learning_rate!r} returned a value of shape {shape}."
+                f"{_private.raw_learning_rate(self)!r} returned a value of shape {shape}."
             )
 
     def finalize_variable_values(self, var_list):
@@ -171,16 +159,17 @@ class OptimizerBase(keras.optimizers.Optimizer):
         """
         if not self.use_ema:
             return
-        if len(var_list) != len(self._model_variables_moving_average):
+        averages = _private.moving_averages(self)
+        if len(var_list) != len(averages):
             return super().finalize_variable_values(var_list)  # Keras's error.
-        for variable, average in zip(var_list, self._model_variables_moving_average):
+        for variable, average in zip(var_list, averages):
             if average is not None:
                 variable.assign(ops.copy(average.value))
 
     # ---------------------------------------------------------------- config
 
     def get_config(self):
-        learning_rate = self._learning_rate
+        learning_rate = _private.raw_learning_rate(self)
         is_function = (
             callable(learning_rate)
             and not isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule)
@@ -189,7 +178,7 @@ class OptimizerBase(keras.optimizers.Optimizer):
         if is_function:
             # Keras would save the function's bytecode, loadable only with
             # safe_mode=False: save its registered name, or refuse.
-            name = _common.serialize_callable("learning_rate", learning_rate)
+            name = _checks.serialize_callable("learning_rate", learning_rate)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # Keras's lambda warning, about what we replace.
                 config = super().get_config()
@@ -203,7 +192,7 @@ class OptimizerBase(keras.optimizers.Optimizer):
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
         if isinstance(config.get("learning_rate"), str):
-            config["learning_rate"] = _common.deserialize_callable(
+            config["learning_rate"] = _checks.deserialize_callable(
                 "learning_rate", config["learning_rate"], custom_objects
             )
         return super().from_config(config, custom_objects=custom_objects)
@@ -255,31 +244,3 @@ class OptimizerBase(keras.optimizers.Optimizer):
         for saved_position, current_position in pairs:
             variables[current_position].assign(store[str(saved_position)])
 
-
-def _check_base_arguments(
-    learning_rate=None,
-    weight_decay=None,
-    clipnorm=None,
-    clipvalue=None,
-    global_clipnorm=None,
-    use_ema=False,
-    ema_momentum=0.99,
-    ema_overwrite_frequency=None,
-    loss_scale_factor=None,
-    gradient_accumulation_steps=None,
-    name=None,
-    **kwargs,
-):
-    """The ranges Keras's base optimizer leaves unchecked, checked before any variable exists."""
-    if isinstance(learning_rate, (int, float)) and not isinstance(learning_rate, bool):
-        _common.check_number("learning_rate", learning_rate, low=0)
-    _common.check_number("weight_decay", weight_decay, low=0, allow_none=True)
-    _common.check_number("clipnorm", clipnorm, low=0, low_open=True, allow_none=True)
-    _common.check_number("global_clipnorm", global_clipnorm, low=0, low_open=True, allow_none=True)
-    if not isinstance(clipvalue, (tuple, list)):
-        _common.check_number("clipvalue", clipvalue, low=0, low_open=True, allow_none=True)
-    _common.check_bool("use_ema", use_ema)
-    _common.check_number("ema_momentum", ema_momentum, low=0, high=1)
-    _common.check_int("ema_overwrite_frequency", ema_overwrite_frequency, low=1, allow_none=True)
-    _common.check_number("loss_scale_factor", loss_scale_factor, low=0, low_open=True, allow_none=True)
-    _common.check_int("gradient_accumulation_steps", gradient_accumulation_steps, low=2, allow_none=True)

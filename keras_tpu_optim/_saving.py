@@ -13,7 +13,9 @@ backend accepts) describing the optimizer class and, for each variable, its role
 (the slot name, e.g. `row_second_moment`), the model variable it belongs to (by
 position in the optimizer's variable list, path for the message), shape and
 dtype, plus the saving optimizer's config so that an error can say which
-setting differs.
+setting differs. Roles and owners are those recorded when the state was created
+(`_slots`); a variable with none (`iterations`, `learning_rate`, a slot made by
+a user's `slot_variable_creation_fn`) is described by its name.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Any, Optional
 
 import keras
 import numpy as np
+
+from keras_tpu_optim import _private, _slots
 
 STATE_SIGNATURE_KEY = "keras_tpu_optim_state_signature"
 SIGNATURE_FORMAT = 1
@@ -35,25 +39,16 @@ _LEARNING_RATE_ROLE = "learning_rate"
 
 def describe_state(optimizer) -> dict[str, Any]:
     """The signature of `optimizer`'s current variables (see the module docstring)."""
-    model_variables = list(getattr(optimizer, "_trainable_variables", None) or [])
-    prefixes = [(variable.path.replace("/", "_") + "_", index) for index, variable in enumerate(model_variables)]
+    model_variables = _private.trainable_variables(optimizer)
     entries = []
     for variable in optimizer.variables:
-        name = variable.name
-        owner = None
-        role = name
-        # Slots are named `<model variable path with _>_<slot>` (Keras's
-        # add_variable_from_reference and our add_slot); the longest prefix wins
-        # so that `dense_1_kernel_...` is not read as a slot of `dense/...`.
-        matches = [(prefix, index) for prefix, index in prefixes if name.startswith(prefix)]
-        if matches:
-            prefix, owner = max(matches, key=lambda match: len(match[0]))
-            role = name[len(prefix):]
+        recorded = _slots.role_of(optimizer, variable)
+        owner, role = recorded if recorded is not None else (None, variable.name)
         entries.append(
             {
                 "role": role,
                 "of": owner,
-                "of_path": None if owner is None else model_variables[owner].path,
+                "of_path": None if owner is None else _slots.variable_path(model_variables[owner]),
                 "shape": [int(d) for d in variable.shape],
                 "dtype": keras.backend.standardize_dtype(variable.dtype),
             }

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import keras
-from keras import ops
-from keras.src.backend.common.stateless_scope import in_stateless_scope
+import dataclasses
 
-from keras_tpu_optim import _common, _sparse
-from keras_tpu_optim._base import OptimizerBase
-from keras_tpu_optim._math import adafactor as adafactor_math
+import keras
+
+from keras_tpu_optim import _private, _slots
+from keras_tpu_optim._base import OptimizerBase, VariableState
+from keras_tpu_optim._math.adafactor import AdafactorOptions
+
+_OPTION_NAMES = frozenset(field.name for field in dataclasses.fields(AdafactorOptions))
 
 
 @keras.saving.register_keras_serializable(package="keras_tpu_optim")
@@ -22,10 +24,27 @@ class Adafactor(OptimizerBase):
     optimizer state is about 0.3% of the parameters instead of 100%.
     Statistics are float32 whatever the variable dtype.
 
-    Differences from `keras.optimizers.Adafactor`: `relative_step=False` turns
-    the `1/sqrt(t)` cap off (Keras 3 ignores the flag), and the options
-    `beta_1`, `min_dim_size_to_factor` and `multiply_by_parameter_scale`
-    (defaults keep Keras's behaviour).
+    At step `t = iterations + 1`, for a variable `x` with gradient `g`:
+
+    ```
+    rho_t   = min(lr, 1/sqrt(t)) if relative_step else lr
+    alpha_t = max(epsilon_2, RMS(x)) * rho_t      (rho_t if not multiply_by_parameter_scale)
+    G2      = g^2 + epsilon_1
+    beta2_t = 1 - t^beta_2_decay
+    factored:   R = beta2_t R + (1 - beta2_t) mean(G2, -1)
+                C = beta2_t C + (1 - beta2_t) mean(G2, -2)
+                u = g * rsqrt(R / mean(R, -1))[..., :, None] * rsqrt(C)[..., None, :]
+    unfactored: V = beta2_t V + (1 - beta2_t) G2;   u = g * rsqrt(V)
+    delta   = alpha_t * u / max(1, RMS(u) / clip_threshold)
+    beta_1:     m = beta_1 m + (1 - beta_1) delta;  x -= m
+    otherwise:  x -= delta
+    ```
+
+    (docs/algorithms.md#adafactor has the details.) Differences from
+    `keras.optimizers.Adafactor`: `relative_step=False` turns the `1/sqrt(t)`
+    cap off (Keras 3 ignores the flag), and the options `beta_1`,
+    `min_dim_size_to_factor` and `multiply_by_parameter_scale` (defaults keep
+    Keras's behaviour).
 
     Args:
         learning_rate: A float, a `keras.optimizers.schedules.LearningRateSchedule`
@@ -81,6 +100,16 @@ class Adafactor(OptimizerBase):
         name="adafactor",
         **kwargs,
     ):
+        options = AdafactorOptions(
+            beta_2_decay=beta_2_decay,
+            epsilon_1=epsilon_1,
+            epsilon_2=epsilon_2,
+            clip_threshold=clip_threshold,
+            relative_step=relative_step,
+            beta_1=beta_1,
+            min_dim_size_to_factor=min_dim_size_to_factor,
+            multiply_by_parameter_scale=multiply_by_parameter_scale,
+        )
         super().__init__(
             learning_rate=learning_rate,
             name=name,
@@ -95,145 +124,41 @@ class Adafactor(OptimizerBase):
             gradient_accumulation_steps=gradient_accumulation_steps,
             **kwargs,
         )
-        self.beta_2_decay = _common.check_number("beta_2_decay", beta_2_decay, high=0)
-        self.epsilon_1 = _common.check_number("epsilon_1", epsilon_1, low=0, low_open=True)
-        self.epsilon_2 = _common.check_number("epsilon_2", epsilon_2, low=0)
-        self.clip_threshold = _common.check_number("clip_threshold", clip_threshold, low=0, low_open=True)
-        self.relative_step = _common.check_bool("relative_step", relative_step)
-        self.beta_1 = _common.check_number("beta_1", beta_1, low=0, high=1, high_open=True, allow_none=True)
-        self.min_dim_size_to_factor = _common.check_int(
-            "min_dim_size_to_factor", min_dim_size_to_factor, low=1, allow_none=True
-        )
-        self.multiply_by_parameter_scale = _common.check_bool(
-            "multiply_by_parameter_scale", multiply_by_parameter_scale
-        )
+        self.options = options
+
+    def __getattr__(self, name):
+        # Each option reads as an attribute (`optimizer.beta_1`), as on Keras's optimizers.
+        if name in _OPTION_NAMES:
+            return getattr(self.__dict__.get("options", AdafactorOptions()), name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def is_factored(self, shape) -> bool:
         """Whether a variable of this shape keeps row/column statistics only."""
-        if len(shape) < 2:
-            return False
-        if self.min_dim_size_to_factor is None:
-            return True
-        return min(shape[-2], shape[-1]) >= self.min_dim_size_to_factor
+        return self.options.is_factored(shape)
 
-    def build(self, var_list):
-        """Create the row/column statistics (factored) or full `v` (unfactored)."""
-        if self.built:
-            return
-        super().build(var_list)
-        self._second_moments = []
-        self._momenta = []
-        for var in var_list:
-            if self._overwrite_variable_with_gradient(var):
-                self._second_moments.append(None)
-                self._momenta.append(None)
-                continue
-            rank = len(var.shape)
-            if self.is_factored(var.shape):
-                slots = (
-                    _common.add_slot(self, var, "row_second_moment", kept_axes=range(rank - 1)),
-                    _common.add_slot(
-                        self, var, "column_second_moment", kept_axes=[*range(rank - 2), rank - 1]
-                    ),
-                )
-            else:
-                slots = (_common.add_slot(self, var, "second_moment"),)
-            self._second_moments.append(slots)
-            self._momenta.append(None if self.beta_1 is None else _common.add_slot(self, var, "momentum"))
-
-    def _hyperparameters(self):
-        return dict(
-            beta_2_decay=self.beta_2_decay,
-            epsilon_1=self.epsilon_1,
-            epsilon_2=self.epsilon_2,
-            clip_threshold=self.clip_threshold,
-            relative_step=self.relative_step,
-            multiply_by_parameter_scale=self.multiply_by_parameter_scale,
-            beta_1=self.beta_1,
-        )
+    def make_state(self, variable) -> VariableState:
+        """Row and column statistics (factored) or a full `v` (unfactored), and the momentum if `beta_1`."""
+        rank = len(variable.shape)
+        if self.options.is_factored(variable.shape):
+            slots = (
+                _slots.add_slot(self, variable, "row_second_moment", kept_axes=range(rank - 1)),
+                _slots.add_slot(self, variable, "column_second_moment", kept_axes=[*range(rank - 2), rank - 1]),
+            )
+        else:
+            slots = (_slots.add_slot(self, variable, "second_moment"),)
+        momentum = None if self.options.beta_1 is None else _slots.add_slot(self, variable, "momentum")
+        return VariableState(slots, momentum)
 
     def update_step(self, gradient, variable, learning_rate):
         """Update step given gradient and the associated model variable."""
-        index = self._get_variable_index(variable)
-        slots = self._second_moments[index]
-        momentum = self._momenta[index]
-        if keras.backend.backend() == "torch" and not in_stateless_scope():
-            from keras_tpu_optim._fused import torch as fused_torch
-
-            fused_torch.adafactor_step(
-                _sparse.densify(gradient),
-                variable.value,
-                tuple(s.value for s in slots),
-                None if momentum is None else momentum.value,
-                learning_rate=float(learning_rate),
-                step=float(ops.convert_to_numpy(self.iterations)) + 1.0,
-                **self._hyperparameters(),
-            )
-            return
-        if keras.backend.backend() == "tensorflow" and not in_stateless_scope():
-            from keras_tpu_optim._fused import tensorflow as fused_tf
-            from keras_tpu_optim._tf import compiling_helps
-
-            if compiling_helps():
-                fused_tf.adafactor_step(
-                    self,
-                    _sparse.densify(gradient),
-                    variable,
-                    slots,
-                    momentum,
-                    learning_rate=learning_rate,
-                    step=self.iterations + 1,
-                    **self._hyperparameters(),
-                )
-                return
-        delta, new_slots, new_momentum = adafactor_math.adafactor_update(
-            ops.cast(_sparse.densify(gradient), "float32"),
-            ops.cast(variable, "float32"),
-            tuple(s.value for s in slots),
-            None if momentum is None else momentum.value,
-            learning_rate=ops.cast(learning_rate, "float32"),
-            step=ops.cast(self.iterations + 1, "float32"),
-            **self._hyperparameters(),
-        )
-        assign_update(
-            variable, delta, slots, new_slots, momentum, new_momentum,
-            assign=self.assign, assign_sub=self.assign_sub,
-        )
+        self._backend.adafactor_step(self, gradient, variable, learning_rate)
 
     def get_config(self):
         config = super().get_config()
-        config.update(
-            {
-                "beta_2_decay": self.beta_2_decay,
-                "epsilon_1": self.epsilon_1,
-                "epsilon_2": self.epsilon_2,
-                "clip_threshold": self.clip_threshold,
-                "relative_step": self.relative_step,
-                "beta_1": self.beta_1,
-                "min_dim_size_to_factor": self.min_dim_size_to_factor,
-                "multiply_by_parameter_scale": self.multiply_by_parameter_scale,
-            }
-        )
+        config.update(self.options.to_config())
         return config
 
 
 Adafactor.__doc__ = Adafactor.__doc__.replace(
-    "{{base_optimizer_keyword_args}}",
-    keras.src.optimizers.optimizer.base_optimizer_keyword_args.strip(),
+    "{{base_optimizer_keyword_args}}", _private.base_optimizer_keyword_args()
 )
-
-
-def assign_update(variable, delta, slots, new_slots, momentum, new_momentum, *, assign, assign_sub):
-    """Write one step's results: the statistics, the momentum, and `variable - delta`.
-
-    A float32 variable is updated in place; any other dtype is subtracted in
-    float32 and rounded once.
-    """
-    for slot, value in zip(slots, new_slots):
-        assign(slot, value)
-    if momentum is not None:
-        assign(momentum, new_momentum)
-    if keras.backend.standardize_dtype(variable.dtype) == "float32":
-        assign_sub(variable, delta)
-    else:
-        assign(variable, ops.cast(ops.cast(variable, "float32") - delta, variable.dtype))

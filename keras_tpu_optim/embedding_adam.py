@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-
 import keras
 from keras import ops
-from keras.src.backend.common.stateless_scope import in_stateless_scope
 
-from keras_tpu_optim import _common, _sparse
-from keras_tpu_optim._base import OptimizerBase
+from keras_tpu_optim import _checks, _private, _slots
+from keras_tpu_optim._base import OptimizerBase, VariableState
 from keras_tpu_optim._math import embedding_adam as adam_math
 
 SLOT_NAMES = ("momenta", "velocities")
@@ -25,13 +22,13 @@ def _normalize_clipvalue(clipvalue):
                 "Argument `clipvalue` must be a scalar or a (min, max) tuple. "
                 f"Received: clipvalue={clipvalue!r}"
             )
-        low, high = (_common.check_number("clipvalue", c, allow_none=True) for c in clipvalue)
+        low, high = (_checks.check_number("clipvalue", c, allow_none=True) for c in clipvalue)
         if low is not None and high is not None and low > high:
             raise ValueError(
                 f"Argument `clipvalue` must have min <= max. Received: clipvalue={clipvalue!r}"
             )
         return (low, high)
-    value = _common.check_number("clipvalue", clipvalue, low=0, low_open=True)
+    value = _checks.check_number("clipvalue", clipvalue, low=0, low_open=True)
     return (-value, value)
 
 
@@ -148,12 +145,12 @@ class EmbeddingAdam(OptimizerBase):
         **kwargs,
     ):
         # Validate everything before the base class creates variables.
-        _common.check_number("beta_1", beta_1, low=0, high=1, high_open=True)
-        _common.check_number("beta_2", beta_2, low=0, high=1, high_open=True)
-        _common.check_number("epsilon", epsilon, low=0, low_open=True)
+        _checks.check_number("beta_1", beta_1, low=0, high=1, high_open=True)
+        _checks.check_number("beta_2", beta_2, low=0, high=1, high_open=True)
+        _checks.check_number("epsilon", epsilon, low=0, low_open=True)
         for flag in ("lazy_adam", "sum_inside_sqrt", "use_gradient_accumulation", "low_dimensional_packing_status"):
-            _common.check_bool(flag, locals()[flag])
-        _common.check_bool(
+            _checks.check_bool(flag, locals()[flag])
+        _checks.check_bool(
             "multiply_weight_decay_factor_by_learning_rate",
             multiply_weight_decay_factor_by_learning_rate,
             allow_none=True,
@@ -169,14 +166,14 @@ class EmbeddingAdam(OptimizerBase):
                 "Argument `clipvalue` requires `use_gradient_accumulation=True` (gradients are "
                 f"clipped after duplicate ids are summed). Received: clipvalue={clipvalue!r}"
             )
-        _common.check_number("clip_weight_min", clip_weight_min, allow_none=True)
-        _common.check_number("clip_weight_max", clip_weight_max, allow_none=True)
+        _checks.check_number("clip_weight_min", clip_weight_min, allow_none=True)
+        _checks.check_number("clip_weight_max", clip_weight_max, allow_none=True)
         if clip_weight_min is not None and clip_weight_max is not None and clip_weight_min > clip_weight_max:
             raise ValueError(
                 "Argument `clip_weight_min` must be <= `clip_weight_max`. Received: "
                 f"clip_weight_min={clip_weight_min}, clip_weight_max={clip_weight_max}"
             )
-        _common.check_number("weight_decay_factor", weight_decay_factor, low=0, allow_none=True)
+        _checks.check_number("weight_decay_factor", weight_decay_factor, low=0, allow_none=True)
         if weight_decay is not None and weight_decay_factor is not None:
             raise ValueError(
                 "Arguments `weight_decay` and `weight_decay_factor` cannot both be set: "
@@ -188,7 +185,7 @@ class EmbeddingAdam(OptimizerBase):
                 "Argument `slot_variable_creation_fn` must be callable. "
                 f"Received: slot_variable_creation_fn={slot_variable_creation_fn!r}"
             )
-        _common.check_int("max_touched_rows", max_touched_rows, low=1, allow_none=True)
+        _checks.check_int("max_touched_rows", max_touched_rows, low=1, allow_none=True)
         super().__init__(
             learning_rate=learning_rate,
             name=name,
@@ -219,19 +216,11 @@ class EmbeddingAdam(OptimizerBase):
         self.low_dimensional_packing_status = low_dimensional_packing_status
         self.max_touched_rows = max_touched_rows
 
-    def build(self, var_list):
-        """Create the `momenta` and `velocities` slots of every variable."""
-        if self.built:
-            return
-        super().build(var_list)
-        self._slots = []
-        for var in var_list:
-            if self._overwrite_variable_with_gradient(var):
-                self._slots.append(None)
-            elif self.slot_variable_creation_fn is None:
-                self._slots.append(tuple(_common.add_slot(self, var, name) for name in SLOT_NAMES))
-            else:
-                self._slots.append(self._create_slots_with_user_fn(var))
+    def make_state(self, variable) -> VariableState:
+        """The `momenta` and `velocities` slots of a table (made by `slot_variable_creation_fn` if given)."""
+        if self.slot_variable_creation_fn is None:
+            return VariableState(tuple(_slots.add_slot(self, variable, name) for name in SLOT_NAMES))
+        return VariableState(self._create_slots_with_user_fn(variable))
 
     def _create_slots_with_user_fn(self, var):
         initializers = [keras.initializers.Zeros() for _ in SLOT_NAMES]
@@ -241,7 +230,6 @@ class EmbeddingAdam(OptimizerBase):
                 "`slot_variable_creation_fn` must return a dict with exactly the keys "
                 f"{list(SLOT_NAMES)}; it returned {slots!r}."
             )
-        tracked = {id(v) for v in self._variables}
         for name in SLOT_NAMES:
             slot = slots[name]
             if not isinstance(slot, keras.Variable) or tuple(slot.shape) != tuple(var.shape):
@@ -249,8 +237,8 @@ class EmbeddingAdam(OptimizerBase):
                     f"`slot_variable_creation_fn` must return keras.Variables of the table's shape "
                     f"{tuple(var.shape)}; slot '{name}' is {slot!r}."
                 )
-            if id(slot) not in tracked:
-                self._track_variable(slot)
+            if not _private.is_tracked(self, slot):
+                _private.track_variable(self, slot)
         return tuple(slots[name] for name in SLOT_NAMES)
 
     def _apply_weight_decay(self, variables):
@@ -271,7 +259,7 @@ class EmbeddingAdam(OptimizerBase):
                 excluded (the TPU export).
         """
         decay, multiply = self.weight_decay_factor, bool(self.multiply_weight_decay_factor_by_learning_rate)
-        if self.weight_decay is not None and (variable is None or self._use_weight_decay(variable)):
+        if self.weight_decay is not None and (variable is None or _private.uses_weight_decay(self, variable)):
             decay, multiply = self.weight_decay, True
         low, high = self._gradient_clip or (None, None)
         return adam_math.RowUpdateOptions(
@@ -299,36 +287,7 @@ class EmbeddingAdam(OptimizerBase):
 
     def update_step(self, gradient, variable, learning_rate):
         """Update the rows of `variable` present in `gradient` (all rows if not lazy)."""
-        slots = self._slots[self._get_variable_index(variable)]
-        learning_rate = self.bias_corrected_learning_rate(learning_rate)
-        options = self.row_update_options(variable)
-        if self.lazy_adam and keras.backend.backend() == "tensorflow" and not in_stateless_scope():
-            from keras_tpu_optim._sparse import tensorflow as sparse_tf
-
-            if sparse_tf.compiled_update_applies(gradient):
-                sparse_tf.compiled_lazy_row_update(
-                    self,
-                    _update_rows_in_float32,
-                    options,
-                    learning_rate,
-                    gradient,
-                    variable,
-                    slots,
-                    accumulate_duplicates=self.use_gradient_accumulation,
-                )
-                return
-        update_rows = functools.partial(_update_rows_in_float32, learning_rate=learning_rate, options=options)
-        if self.lazy_adam:
-            _sparse.lazy_row_update(
-                update_rows,
-                gradient,
-                variable,
-                slots,
-                accumulate_duplicates=self.use_gradient_accumulation,
-                max_touched_rows=self.max_touched_rows,
-            )
-        else:
-            _sparse.dense_row_update(update_rows, gradient, variable, slots)
+        self._backend.embedding_adam_step(self, gradient, variable, learning_rate)
 
     def get_config(self):
         config = super().get_config()
@@ -344,7 +303,7 @@ class EmbeddingAdam(OptimizerBase):
                 "clip_weight_max": self.clip_weight_max,
                 "weight_decay_factor": self.weight_decay_factor,
                 "multiply_weight_decay_factor_by_learning_rate": self.multiply_weight_decay_factor_by_learning_rate,
-                "slot_variable_creation_fn": _common.serialize_callable(
+                "slot_variable_creation_fn": _checks.serialize_callable(
                     "slot_variable_creation_fn", self.slot_variable_creation_fn
                 ),
                 "clipvalue": (
@@ -361,22 +320,10 @@ class EmbeddingAdam(OptimizerBase):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        config["slot_variable_creation_fn"] = _common.deserialize_callable(
+        config["slot_variable_creation_fn"] = _checks.deserialize_callable(
             "slot_variable_creation_fn", config.get("slot_variable_creation_fn"), custom_objects
         )
         if isinstance(config.get("clipvalue"), list):
             config["clipvalue"] = tuple(config["clipvalue"])
         return super().from_config(config, custom_objects=custom_objects)
 
-
-def _update_rows_in_float32(grad, weight, momenta, velocities, *, learning_rate, options):
-    """The row update on rows of any dtype: computed in float32, cast back."""
-    new_values = adam_math.row_update(
-        ops.cast(grad, "float32"),
-        ops.cast(weight, "float32"),
-        ops.cast(momenta, "float32"),
-        ops.cast(velocities, "float32"),
-        learning_rate,
-        options,
-    )
-    return tuple(ops.cast(new, old.dtype) for new, old in zip(new_values, (weight, momenta, velocities)))

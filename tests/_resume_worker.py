@@ -13,12 +13,9 @@ job.json holds {"tasks": [...]}, each task one of
 """
 
 import json
-import os
 import sys
 
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import keras  # noqa: E402
 

@@ -126,7 +126,6 @@ _MIRRORED_SCRIPT = textwrap.dedent(
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     import keras
     import keras_tpu_optim as kto
-    sys.path.insert(0, sys.argv[1])
     from test_distribution import _model, _data, OPTIMIZERS, STEPS
 
     def train(name, strategy):
@@ -149,9 +148,10 @@ _MIRRORED_SCRIPT = textwrap.dedent(
 def test_tf_mirrored_strategy_matches_single_device():
     if BACKEND != "tensorflow":
         pytest.skip(f"tf.distribute.MirroredStrategy needs the TensorFlow backend; this run is {BACKEND}")
-    env = dict(os.environ, KERAS_BACKEND="tensorflow")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, KERAS_BACKEND="tensorflow", PYTHONPATH=os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(
-        [sys.executable, "-c", _MIRRORED_SCRIPT, os.path.dirname(__file__)],
+        [sys.executable, "-c", _MIRRORED_SCRIPT],
         capture_output=True,
         text=True,
         env=env,

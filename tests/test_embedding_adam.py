@@ -1,6 +1,6 @@
 """EmbeddingAdam against independent references, on the backend KERAS_BACKEND selects.
 
-References: the numpy implementation of SPEC.md section 3
+References: the numpy implementation of docs/algorithms.md#embeddingadam
 (`tests/reference/numpy_embedding_adam.py`), TF Addons LazyAdam's published
 formula (written out below), `keras.optimizers.Adam` and `torch.optim.SparseAdam`.
 Sparse gradients are built directly (`tf.IndexedSlices` on TensorFlow, a torch
@@ -704,7 +704,7 @@ def test_jax_touched_row_bitmap_lists_rows_in_order(num_rows):
     import jax
     import jax.numpy as jnp
 
-    from keras_tpu_optim._sparse import jax as sparse_jax
+    from keras_tpu_optim._backend.jax import rows as sparse_jax
 
     rng = np.random.default_rng(num_rows)
     masks = [rng.random(num_rows) < p for p in (0.0, 0.05, 0.5, 1.0)]

@@ -1,4 +1,4 @@
-"""Export of `EmbeddingAdam` to the TPU embedding engines (SPEC.md §4).
+"""Export of `EmbeddingAdam` to the TPU embedding engines (docs/algorithms.md#export-to-tpu-embedding-engines).
 
 On TPU, embedding tables are not updated by the Keras optimizer's
 `update_step` but by the TPU embedding engine: TensorFlow's `TPUEmbedding` /
@@ -12,19 +12,16 @@ that backend is active, so TensorFlow is never imported under JAX or torch.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import keras
 
+from keras_tpu_optim._backend import backend_module
 from keras_tpu_optim.embedding_adam import EmbeddingAdam
 
 __all__ = ["to_tpu_embedding"]
 
-_BACKEND_MODULES = {
-    "tensorflow": "keras_tpu_optim.tpu.tensorflow",
-    "jax": "keras_tpu_optim.tpu.jax",
-}
+_ENGINE_BACKENDS = ("tensorflow", "jax")
 
 
 def to_tpu_embedding(optimizer: EmbeddingAdam) -> Any:
@@ -79,11 +76,10 @@ def to_tpu_embedding(optimizer: EmbeddingAdam) -> Any:
             "XLA-compiled `update_step` code on TPU and need no export."
         )
     backend = keras.backend.backend()
-    module_name = _BACKEND_MODULES.get(backend)
-    if module_name is None:
+    if backend not in _ENGINE_BACKENDS:
         raise ValueError(
             f"The Keras backend {backend!r} has no TPU embedding engine: `to_tpu_embedding` "
             "supports KERAS_BACKEND='tensorflow' (TPUEmbedding) and KERAS_BACKEND='jax' "
             "(SparseCore via jax_tpu_embedding)."
         )
-    return importlib.import_module(module_name).to_tpu_embedding(optimizer)
+    return backend_module(__name__, backend).to_tpu_embedding(optimizer)

@@ -6,11 +6,9 @@ Backend-neutral (`keras.ops` only), so both `tpu/tensorflow.py` and
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
-import keras
 from keras import ops
 
+from keras_tpu_optim import _private
 from keras_tpu_optim._math import embedding_adam as adam_math
 
 
@@ -59,10 +57,7 @@ def check_keras_options(optimizer, engine: str) -> None:
             f"the {engine} applies every step's gradients at once. (Not to be confused with "
             "`use_gradient_accumulation`, the summing of duplicate ids.)",
         )
-    if optimizer.weight_decay is not None and (
-        getattr(optimizer, "_exclude_from_weight_decay", None)
-        or getattr(optimizer, "_exclude_from_weight_decay_pattern", None) is not None
-    ):
+    if optimizer.weight_decay is not None and _private.has_weight_decay_exclusions(optimizer):
         raise ValueError(
             "`to_tpu_embedding` cannot export `weight_decay` together with "
             "`exclude_from_weight_decay(...)`: the export is one table's optimizer and cannot "
@@ -71,41 +66,10 @@ def check_keras_options(optimizer, engine: str) -> None:
         )
 
 
-def weight_decay(optimizer) -> Tuple[Optional[float], Optional[bool]]:
-    """`(weight_decay_factor, multiply_weight_decay_factor_by_learning_rate)` for the engine.
-
-    Keras's `weight_decay=x` is `weight_decay_factor=x` multiplied by the
-    learning rate (SPEC.md §3). Without decay both are None: TF's
-    `TPUEmbeddingV2` refuses a table whose multiply flag is merely False.
-    """
-    if optimizer.weight_decay is not None:
-        return float(optimizer.weight_decay), True
-    if optimizer.weight_decay_factor is None:
-        return None, None
-    return optimizer.weight_decay_factor, bool(optimizer.multiply_weight_decay_factor_by_learning_rate)
-
-
-def learning_rate_at(optimizer, step):
-    """The optimizer's (uncorrected) learning rate when `step` updates have been applied.
-
-    What Keras's `optimizer.learning_rate` returns, but at a given step rather
-    than at `optimizer.iterations`: a schedule is called with `step`, a
-    zero-argument callable is called, a variable or float is read.
-    """
-    learning_rate = optimizer._learning_rate  # The raw value; the property evaluates it at `iterations`.
-    if isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule):
-        return learning_rate(step)
-    if isinstance(learning_rate, keras.Variable):
-        return learning_rate.value
-    if callable(learning_rate):
-        return learning_rate()
-    return learning_rate
-
-
 def bias_corrected_learning_rate_at(optimizer, step):
     """`lr_t` of the update that follows `step` applied updates (t = step + 1), float32."""
     return adam_math.bias_corrected_learning_rate(
-        ops.cast(learning_rate_at(optimizer, step), "float32"),
+        ops.cast(_private.learning_rate_at(optimizer, step), "float32"),
         ops.cast(step, "float32") + 1.0,
         optimizer.beta_1,
         optimizer.beta_2,

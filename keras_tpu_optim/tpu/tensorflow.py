@@ -69,20 +69,25 @@ class BiasCorrectedLearningRate:
 def to_tpu_embedding(optimizer) -> TPUEmbeddingAdam:
     """See `keras_tpu_optim.tpu.to_tpu_embedding`."""
     _export.check_keras_options(optimizer, _ENGINE)
-    weight_decay_factor, multiply_by_learning_rate = _export.weight_decay(optimizer)
+    options = optimizer.row_update_options()
+    has_decay = options.weight_decay_factor is not None
+    has_gradient_clip = options.gradient_clip_min is not None or options.gradient_clip_max is not None
     return TPUEmbeddingAdam(
         learning_rate=BiasCorrectedLearningRate(optimizer),
-        beta_1=optimizer.beta_1,
-        beta_2=optimizer.beta_2,
-        epsilon=optimizer.epsilon,
+        beta_1=options.beta_1,
+        beta_2=options.beta_2,
+        epsilon=options.epsilon,
         lazy_adam=optimizer.lazy_adam,
-        sum_inside_sqrt=optimizer.sum_inside_sqrt,
+        sum_inside_sqrt=options.sum_inside_sqrt,
         use_gradient_accumulation=optimizer.use_gradient_accumulation,
-        clip_weight_min=optimizer.clip_weight_min,
-        clip_weight_max=optimizer.clip_weight_max,
-        weight_decay_factor=weight_decay_factor,
-        multiply_weight_decay_factor_by_learning_rate=multiply_by_learning_rate,
+        clip_weight_min=options.clip_weight_min,
+        clip_weight_max=options.clip_weight_max,
+        # Without decay both stay None: TPUEmbeddingV2 refuses a table whose multiply flag is merely False.
+        weight_decay_factor=options.weight_decay_factor,
+        multiply_weight_decay_factor_by_learning_rate=(
+            options.multiply_weight_decay_factor_by_learning_rate if has_decay else None
+        ),
         slot_variable_creation_fn=optimizer.slot_variable_creation_fn,
-        clipvalue=optimizer.gradient_clip,
+        clipvalue=(options.gradient_clip_min, options.gradient_clip_max) if has_gradient_clip else None,
         low_dimensional_packing_status=optimizer.low_dimensional_packing_status,
     )

@@ -27,9 +27,9 @@ _BITS = 32
 def touched_mask(gradient):
     """Rows with any non-zero (or NaN) entry.
 
-    `max(|g|) != 0` rather than `any(g != 0)`: same rows, and XLA runs the
-    float reduction about 3x faster on CPU (at the speed of one read of the
-    gradient).
+    `max(|g|) != 0` rather than `any(g != 0)`: the same rows, and XLA's CPU
+    backend runs a float max-reduction at the speed of one read of the
+    gradient.
     """
     if gradient.ndim == 1:
         return gradient != 0
@@ -72,8 +72,13 @@ def default_capacity(num_rows: int) -> int:
     return min(num_rows, 4096)
 
 
-def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplicates, max_touched_rows):
-    del accumulate_duplicates  # Dense gradients carry no duplicate indices.
+def lazy_row_update(update_rows, gradient, variable, slots, *, max_touched_rows):
+    """Update only the rows of a dense `gradient` with a non-zero entry; untouched rows keep their bits.
+
+    `update_rows(grad_rows, weight_rows, *slot_rows)` returns the new
+    `(weight_rows, *slot_rows)`; `max_touched_rows` (None: the default) is the
+    static capacity of a round.
+    """
     num_rows = variable.shape[0]
     capacity = min(num_rows, max_touched_rows or default_capacity(num_rows))
     touched = pack_bits(touched_mask(gradient))
@@ -98,5 +103,3 @@ def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplic
         target.assign(value)
 
 
-def densify(gradient):
-    return gradient

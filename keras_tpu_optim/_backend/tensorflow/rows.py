@@ -1,20 +1,26 @@
-"""TensorFlow: `tf.IndexedSlices` gradients, deduplicated, gathered and scattered in place.
+"""TensorFlow: the touched rows of a table, from `tf.IndexedSlices` or a dense gradient, updated in place.
 
 Runs eagerly, in `tf.function` and under `jit_compile=True`, and inside
-`tf.distribute` replica updates. XLA's `tf.unique` alone costs ~3 ms on 4096
-ids on CPU, twice the whole update, so under XLA duplicates are summed in the
-touched rows of a table (`_accumulate_and_update`), or, when the last
-occurrence wins, grouped by a sort with static shapes (`grouped_rows`).
-Outside XLA (what `fit` runs on a machine without an accelerator, and eager
-code) `tf.unique`'s hash groups the ids and everything after it is one XLA
-computation (`compiled_lazy_row_update`).
+`tf.distribute` replica updates. XLA's `tf.unique` is slow, so under XLA
+duplicates are summed in the touched rows of a table
+(`_accumulate_and_update`), or, when the last occurrence wins, grouped by a
+sort with static shapes (`grouped_rows`). Outside XLA (what `fit` runs on a
+machine without an accelerator, and eager code) `tf.unique`'s hash groups the
+ids and everything after it is one XLA computation
+(`compiled_lazy_row_update`).
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_tpu_optim._tf import compiled_function, compiling_helps, in_xla_context, native_variable
+from keras_tpu_optim._backend.tensorflow._compile import (
+    compiled_function,
+    compiling_helps,
+    in_xla_context,
+    native_variable,
+)
+from keras_tpu_optim._backend.tensorflow.gradients import sparse_entries
 
 
 def unique_rows(indices, values, accumulate_duplicates):
@@ -66,18 +72,24 @@ def touched_rows(gradient):
     return tf.cast(tf.where(nonzero)[:, 0], tf.int32)
 
 
-def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplicates, max_touched_rows):
-    del max_touched_rows  # TF shapes may be dynamic, even under XLA.
+def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplicates):
+    """Update only the rows present in `gradient`; untouched rows keep their bits.
+
+    `update_rows(grad_rows, weight_rows, *slot_rows)` returns the new
+    `(weight_rows, *slot_rows)`. Duplicate ids of an IndexedSlices are summed
+    (`accumulate_duplicates`) or the last occurrence wins.
+    """
     targets = [native_variable(variable)] + [native_variable(s) for s in slots]
     if isinstance(gradient, tf.IndexedSlices):
+        indices, values = sparse_entries(gradient)
         if in_xla_context():
-            accumulator = _accumulator(targets, gradient.values.dtype) if accumulate_duplicates else None
+            accumulator = _accumulator(targets, values.dtype) if accumulate_duplicates else None
             if accumulator is not None:
-                _accumulate_and_update(update_rows, gradient.indices, gradient.values, targets, accumulator)
+                _accumulate_and_update(update_rows, indices, values, targets, accumulator)
                 return
-            ids, grad_rows = grouped_rows(gradient.indices, gradient.values, accumulate_duplicates)
+            ids, grad_rows = grouped_rows(indices, values, accumulate_duplicates)
         else:
-            ids, grad_rows = unique_rows(gradient.indices, gradient.values, accumulate_duplicates)
+            ids, grad_rows = unique_rows(indices, values, accumulate_duplicates)
     else:
         ids = touched_rows(gradient)
         grad_rows = tf.gather(gradient, ids)
@@ -116,14 +128,13 @@ def _accumulate_and_update(update_rows, indices, values, targets, i):
     scatter-added into them (XLA's scatter adds duplicates); gathering them
     back gives every id its group's sum; the update then overwrites those
     rows with their new values. Duplicates carry identical rows, so their
-    scatters write identical values. (1M x 64 table, 4096 ids on CPU: 2.5 ->
-    1.9 ms against sorting the ids, of which XLA's sort alone takes ~0.5.)
+    scatters write identical values.
     """
     old_rows = [tf.gather(t, indices) for t in targets]
     accumulator, old = targets[i], old_rows[i]
     # Zeros computed from the old rows (0 for non-finite ones too): with a
     # constant, XLA cannot see that the gather comes first and copies the
-    # whole table to keep the old rows (1M x 64: +30 ms).
+    # whole table to keep the old rows.
     zeros = tf.where(tf.math.is_finite(old), old * 0, tf.zeros_like(old))
     accumulator.scatter_update(tf.IndexedSlices(zeros, indices))
     accumulator.scatter_add(tf.IndexedSlices(tf.cast(values, accumulator.dtype), indices))
@@ -142,13 +153,11 @@ def compiled_lazy_row_update(
     """`lazy_row_update` of an IndexedSlices gradient outside XLA, compiled with XLA.
 
     Without XLA every op of the row update is its own kernel and
-    `unsorted_segment_sum` adds the rows one at a time (1M x 64 table, 4096
-    ids: ~0.5 of ~1.7 ms). Here `tf.unique` (a hash, cheap on CPU, but slow
-    under XLA) names each id's group, and one XLA computation sums the groups
-    in a gradient-sized buffer, gathers, updates and scatters. Every id keeps
-    its place, carrying its group's row, so the shapes are those of the
-    gradient (one compilation per batch size). (Summing in the table's rows,
-    as under XLA, costs more here: two more scatters into the table.)
+    `unsorted_segment_sum` adds the rows one at a time. Here `tf.unique` (a
+    hash, cheap outside XLA, slow inside) names each id's group, and one XLA
+    computation sums the groups in a gradient-sized buffer, gathers, updates
+    and scatters. Every id keeps its place, carrying its group's row, so the
+    shapes are those of the gradient (one compilation per batch size).
 
     `row_function(grad, weight, momenta, velocities, *, learning_rate,
     options)` is the row update; `options` must be hashable.
@@ -159,17 +168,18 @@ def compiled_lazy_row_update(
         lambda: _compilable_update(row_function, options, accumulate_duplicates),
     )
     targets = [native_variable(variable)] + [native_variable(s) for s in slots]
-    indices = _checked_indices(gradient.indices, tf.shape(targets[0], out_type=gradient.indices.dtype)[0], variable)
+    indices, values = sparse_entries(gradient)
+    indices = _checked_indices(indices, tf.shape(targets[0], out_type=indices.dtype)[0], variable)
     _, group = tf.unique(indices)
-    update(indices, group, gradient.values, tf.convert_to_tensor(learning_rate), targets)
+    update(indices, group, values, tf.convert_to_tensor(learning_rate), targets)
 
 
 def _checked_indices(indices, num_rows, variable):
     """`indices`, after checking they name rows of the table.
 
     XLA clips out-of-range gathers and drops out-of-range scatters; TF's own
-    kernels (the path this replaces) raise. An index out of range is a bug
-    upstream: say so rather than update nothing for it.
+    kernels raise. An index out of range is a bug upstream: say so rather than
+    update nothing for it.
     """
     name = getattr(variable, "path", None) or getattr(variable, "name", "the table")
     message = f"EmbeddingAdam: the gradient of {name} has row indices outside [0, number of rows)"
@@ -190,9 +200,3 @@ def _compilable_update(row_function, options, accumulate_duplicates):
         _update_in_place(update_rows, indices, group_rows(values, group, accumulate_duplicates), targets)
 
     return update
-
-
-def densify(gradient):
-    if isinstance(gradient, tf.IndexedSlices):
-        return tf.convert_to_tensor(gradient)
-    return gradient

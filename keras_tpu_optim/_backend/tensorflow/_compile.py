@@ -1,4 +1,4 @@
-"""Small TensorFlow helpers shared by the TF fast paths (imported only on that backend)."""
+"""Compiling TF updates with XLA where nothing else compiles them, one trace per owner."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import weakref
 import keras
 import tensorflow as tf
 
+from keras_tpu_optim import _private
+
 
 def native_variable(variable):
     """The tf.Variable behind a Keras variable (Keras's TF optimizer may pass either)."""
@@ -14,16 +16,8 @@ def native_variable(variable):
 
 
 def in_xla_context() -> bool:
-    """Whether the op being built will be compiled by XLA (`jit_compile=True`).
-
-    Uses a private TF function; if TF moves it, says True: the callers' XLA
-    forms are correct everywhere, only slower without XLA.
-    """
-    try:
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:
-        return True
-    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+    """Whether the op being built will be compiled by XLA (`jit_compile=True`)."""
+    return _private.tf_in_xla_context()
 
 
 def compiling_helps() -> bool:

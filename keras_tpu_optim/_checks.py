@@ -1,10 +1,9 @@
-"""Machinery both optimizers share: argument validation and slot creation."""
+"""Argument checks both optimizers share: each raises a ValueError naming the argument."""
 
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional
 
 import keras
 
@@ -49,40 +48,6 @@ def check_bool(name: str, value, allow_none=False):
     return value
 
 
-def add_slot(optimizer, variable, slot_name: str, kept_axes=None, dtype: str = "float32"):
-    """A zero-initialised optimizer variable named and laid out after `variable`.
-
-    Args:
-        kept_axes: the axes of `variable` the slot keeps (None: all of them, a
-            full-size slot). Factored statistics keep all but one axis, and
-            under `keras.distribution` they are sharded along the axes they
-            keep, like the variable.
-        dtype: slots are float32 by default whatever the variable's dtype, so
-            the statistics of bf16/fp16 variables do not underflow.
-    """
-    axes = range(len(variable.shape)) if kept_axes is None else kept_axes
-    shape = tuple(variable.shape[i] for i in axes)
-    return optimizer.add_variable(
-        shape=shape,
-        initializer="zeros",
-        dtype=dtype,
-        name=variable.path.replace("/", "_") + "_" + slot_name,
-        layout=_kept_layout(getattr(variable, "_layout", None), axes),
-    )
-
-
-def _kept_layout(layout, axes):
-    """The variable's layout restricted to `axes`, when it is a Keras TensorLayout."""
-    if layout is None:
-        return None
-    layout_axes = getattr(layout, "axes", None)
-    if layout_axes is None:
-        return layout if list(axes) == list(range(len(axes))) else None
-    return keras.distribution.TensorLayout(
-        [layout_axes[i] for i in axes], device_mesh=getattr(layout, "device_mesh", None)
-    )
-
-
 def serialize_callable(argument: str, fn):
     """A callable argument as its registered name, so configs load with `safe_mode=True`.
 
@@ -114,3 +79,32 @@ def deserialize_callable(argument: str, name, custom_objects=None):
             "Import the module that registers it before loading."
         )
     return fn
+
+
+def check_base_arguments(
+    learning_rate=None,
+    weight_decay=None,
+    clipnorm=None,
+    clipvalue=None,
+    global_clipnorm=None,
+    use_ema=False,
+    ema_momentum=0.99,
+    ema_overwrite_frequency=None,
+    loss_scale_factor=None,
+    gradient_accumulation_steps=None,
+    name=None,
+    **kwargs,
+):
+    """The ranges Keras's base optimizer leaves unchecked, checked before any variable exists."""
+    if isinstance(learning_rate, (int, float)) and not isinstance(learning_rate, bool):
+        check_number("learning_rate", learning_rate, low=0)
+    check_number("weight_decay", weight_decay, low=0, allow_none=True)
+    check_number("clipnorm", clipnorm, low=0, low_open=True, allow_none=True)
+    check_number("global_clipnorm", global_clipnorm, low=0, low_open=True, allow_none=True)
+    if not isinstance(clipvalue, (tuple, list)):
+        check_number("clipvalue", clipvalue, low=0, low_open=True, allow_none=True)
+    check_bool("use_ema", use_ema)
+    check_number("ema_momentum", ema_momentum, low=0, high=1)
+    check_int("ema_overwrite_frequency", ema_overwrite_frequency, low=1, allow_none=True)
+    check_number("loss_scale_factor", loss_scale_factor, low=0, low_open=True, allow_none=True)
+    check_int("gradient_accumulation_steps", gradient_accumulation_steps, low=2, allow_none=True)

@@ -1,0 +1,52 @@
+"""One interface to the backend-specific code, resolved once per optimizer.
+
+Each backend package (`tensorflow`, `jax`, `torch`) provides the same
+functions; the optimizers call them and never ask which backend runs:
+
+- `platform_of(variable) -> str`: where a variable lives (`"cpu"`, `"gpu"`,
+  `"tpu"`, or another device type).
+- `gradient_values(gradient)`: the stored values of a gradient (a sparse
+  gradient's values, a dense one itself), `gradient_shape(gradient,
+  variable)`: its shape, `unscale(gradient, scale)`: `gradient / scale`,
+  sparse gradients included, and `densify(gradient)`.
+- `apply_if(condition, apply, state)`: run `apply()` only where the scalar
+  `condition` holds, with `state` the variables `apply` may change.
+- `adafactor_step(optimizer, gradient, variable, learning_rate)` and
+  `embedding_adam_step(optimizer, gradient, variable, learning_rate)`: one
+  optimizer step for one variable, in place.
+- `adafactor_reductions(platform)`: the reductions Adafactor's math uses on
+  that platform (see `_math.adafactor.Reductions`).
+
+Kernels measured on one platform are chosen by platform (a variable's, from
+`platform_of`), and the neutral `keras.ops` form runs everywhere else
+(docs/algorithms.md#platform-specific-kernels lists which runs where).
+Dependencies point down: optimizers -> `_backend` -> `_backend.neutral` ->
+`_math` -> `keras.ops`; a backend package imports its framework, never the
+optimizer classes.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+
+import keras
+
+SUPPORTED = ("tensorflow", "jax", "torch")
+
+
+def get(name: str | None = None) -> ModuleType:
+    """The backend package for `name` (default: the active Keras backend)."""
+    name = keras.backend.backend() if name is None else name
+    if name not in SUPPORTED:
+        raise NotImplementedError(
+            f"keras_tpu_optim supports the {', '.join(SUPPORTED)} backends, not {name!r}."
+        )
+    return backend_module(__name__, name)
+
+
+@functools.cache
+def backend_module(package: str, name: str) -> ModuleType:
+    """`package.name`, imported once: how every per-backend module of the package is found."""
+    return importlib.import_module(f"{package}.{name}")

@@ -1,0 +1,77 @@
+"""The JAX backend (see `keras_tpu_optim._backend` for the interface)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.experimental import sparse as jax_sparse
+
+from keras_tpu_optim._backend import neutral
+from keras_tpu_optim._backend.jax import rows
+from keras_tpu_optim._backend.jax.adafactor import adafactor_reductions
+
+__all__ = [
+    "adafactor_reductions",
+    "adafactor_step",
+    "apply_if",
+    "densify",
+    "embedding_adam_step",
+    "gradient_shape",
+    "gradient_values",
+    "platform_of",
+    "unscale",
+]
+
+
+def platform_of(variable) -> str:
+    try:
+        devices = variable.value.devices()
+    except (AttributeError, TypeError, jax.errors.ConcretizationTypeError):
+        devices = ()  # A tracer: not placed yet.
+    for device in devices:
+        return "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
+    return jax.default_backend()
+
+
+def gradient_values(gradient):
+    return gradient.data if isinstance(gradient, jax_sparse.BCOO) else gradient
+
+
+def gradient_shape(gradient, variable) -> tuple:
+    return tuple(gradient.shape)
+
+
+def unscale(gradient, scale):
+    if isinstance(gradient, jax_sparse.BCOO):
+        return jax_sparse.BCOO((gradient.data / scale, gradient.indices), shape=gradient.shape)
+    return gradient / scale
+
+
+def densify(gradient):
+    """A BCOO gradient as a dense array, duplicate indices summed."""
+    return gradient.todense() if isinstance(gradient, jax_sparse.BCOO) else gradient
+
+
+def apply_if(condition, apply, state):
+    # JAX branches must be pure: apply, then keep the old or the new value of
+    # every variable (stateless under jit, eager outside).
+    before = [v.value for v in state]
+    apply()
+    after = [v.value for v in state]
+    kept = jax.lax.cond(condition, lambda: after, lambda: before)
+    for variable, value in zip(state, kept):
+        variable.assign(value)
+
+
+def adafactor_step(optimizer, gradient, variable, learning_rate):
+    neutral.adafactor_step(
+        optimizer, densify(gradient), variable, learning_rate, adafactor_reductions(optimizer.platform_of(variable))
+    )
+
+
+def embedding_adam_step(optimizer, gradient, variable, learning_rate):
+    lazy_row_update = functools.partial(rows.lazy_row_update, max_touched_rows=optimizer.max_touched_rows)
+    neutral.embedding_adam_step(
+        optimizer, densify(gradient), variable, learning_rate, lazy_row_update=lazy_row_update, densify=densify
+    )

@@ -1,0 +1,98 @@
+"""The optimizers' steps in plain `keras.ops`: what every backend runs where it has no kernel of its own.
+
+Each backend package calls these with its own parts (how to densify a
+gradient, how to update a table's touched rows, which reductions to use).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import keras
+from keras import ops
+
+from keras_tpu_optim._math import adafactor as adafactor_math
+from keras_tpu_optim._math import embedding_adam as adam_math
+
+
+def apply_if(condition, apply, state):
+    """Run `apply()` only where the scalar boolean `condition` holds.
+
+    `state` lists the variables `apply` may change, for backends whose
+    branches must be pure (JAX); here only the branch taken runs.
+    """
+    ops.cond(condition, apply, lambda: None)
+
+
+def adafactor_step(optimizer, gradient, variable, learning_rate, reductions=adafactor_math.NEUTRAL):
+    """One Adafactor step on a dense gradient, through the optimizer's `assign`s."""
+    state = optimizer.state_of(variable)
+    delta, new_slots, new_momentum = adafactor_math.adafactor_update(
+        ops.cast(gradient, "float32"),
+        ops.cast(variable, "float32"),
+        tuple(s.value for s in state.slots),
+        None if state.momentum is None else state.momentum.value,
+        learning_rate=ops.cast(learning_rate, "float32"),
+        step=ops.cast(optimizer.iterations + 1, "float32"),
+        options=optimizer.options,
+        reductions=reductions,
+    )
+    assign_update(
+        variable, delta, state.slots, new_slots, state.momentum, new_momentum,
+        assign=optimizer.assign, assign_sub=optimizer.assign_sub,
+    )
+
+
+def assign_update(variable, delta, slots, new_slots, momentum, new_momentum, *, assign, assign_sub):
+    """Write one Adafactor step's results: the statistics, the momentum, and `variable - delta`.
+
+    A float32 variable is updated in place; any other dtype is subtracted in
+    float32 and rounded once.
+    """
+    for slot, value in zip(slots, new_slots):
+        assign(slot, value)
+    if momentum is not None:
+        assign(momentum, new_momentum)
+    if keras.backend.standardize_dtype(variable.dtype) == "float32":
+        assign_sub(variable, delta)
+    else:
+        assign(variable, ops.cast(ops.cast(variable, "float32") - delta, variable.dtype))
+
+
+def embedding_adam_step(optimizer, gradient, variable, learning_rate, *, lazy_row_update, densify):
+    """One EmbeddingAdam step: the touched rows (`lazy_row_update`), or every row.
+
+    `lazy_row_update(update_rows, gradient, variable, slots)` is the backend's
+    row-sparse update; `densify` its conversion of a sparse gradient.
+    """
+    slots = optimizer.state_of(variable).slots
+    update_rows = functools.partial(
+        update_rows_in_float32,
+        learning_rate=optimizer.bias_corrected_learning_rate(learning_rate),
+        options=optimizer.row_update_options(variable),
+    )
+    if optimizer.lazy_adam:
+        lazy_row_update(update_rows, gradient, variable, slots)
+    else:
+        dense_row_update(update_rows, densify(gradient), variable, slots)
+
+
+def dense_row_update(update_rows, gradient, variable, slots):
+    """Update every row (ordinary, non-lazy Adam)."""
+    # TF's optimizer passes native tf.Variables; convert_to_tensor reads either kind.
+    new_values = update_rows(gradient, *(ops.convert_to_tensor(t) for t in (variable, *slots)))
+    for target, value in zip((variable, *slots), new_values):
+        target.assign(value)
+
+
+def update_rows_in_float32(grad, weight, momenta, velocities, *, learning_rate, options):
+    """The row update on rows of any dtype: computed in float32, cast back."""
+    new_values = adam_math.row_update(
+        ops.cast(grad, "float32"),
+        ops.cast(weight, "float32"),
+        ops.cast(momenta, "float32"),
+        ops.cast(velocities, "float32"),
+        learning_rate,
+        options,
+    )
+    return tuple(ops.cast(new, old.dtype) for new, old in zip(new_values, (weight, momenta, velocities)))

@@ -1,0 +1,62 @@
+"""The TensorFlow backend (see `keras_tpu_optim._backend` for the interface)."""
+
+from __future__ import annotations
+
+import functools
+
+import tensorflow as tf
+
+from keras_tpu_optim import _private
+from keras_tpu_optim._backend import neutral
+from keras_tpu_optim._backend.tensorflow import rows
+from keras_tpu_optim._backend.tensorflow.gradients import densify, gradient_shape, gradient_values, unscale
+from keras_tpu_optim._backend.tensorflow.adafactor import adafactor_reductions, adafactor_step
+
+apply_if = neutral.apply_if  # tf.cond runs only the branch taken: sparse updates stay sparse.
+
+__all__ = [
+    "adafactor_reductions",
+    "adafactor_step",
+    "apply_if",
+    "densify",
+    "embedding_adam_step",
+    "gradient_shape",
+    "gradient_values",
+    "platform_of",
+    "unscale",
+]
+
+
+def platform_of(variable) -> str:
+    device = getattr(variable, "device", "") or ""
+    if device:
+        return tf.DeviceSpec.from_string(device).device_type.lower() or "cpu"
+    # Not placed yet: where TF would place it.
+    for kind in ("TPU", "GPU"):
+        if tf.config.list_logical_devices(kind):
+            return kind.lower()
+    return "cpu"
+
+
+def embedding_adam_step(optimizer, gradient, variable, learning_rate):
+    accumulate = optimizer.use_gradient_accumulation
+    if optimizer.lazy_adam and not _private.in_stateless_scope() and rows.compiled_update_applies(gradient):
+        rows.compiled_lazy_row_update(
+            optimizer,
+            neutral.update_rows_in_float32,
+            optimizer.row_update_options(variable),
+            optimizer.bias_corrected_learning_rate(learning_rate),
+            gradient,
+            variable,
+            optimizer.state_of(variable).slots,
+            accumulate_duplicates=accumulate,
+        )
+        return
+    neutral.embedding_adam_step(
+        optimizer,
+        gradient,
+        variable,
+        learning_rate,
+        lazy_row_update=functools.partial(rows.lazy_row_update, accumulate_duplicates=accumulate),
+        densify=densify,
+    )

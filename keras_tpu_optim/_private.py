@@ -1,0 +1,133 @@
+"""Every use of a private API of Keras, TensorFlow or torch, in one place.
+
+Keras's optimizer subclasses (its own Adam, Adafactor, ...) reach into the base
+class's protected state; ours do too, but only through the functions here, so a
+Keras, TF or torch upgrade that moves something breaks one file, and
+`tests/test_private_api.py` says which use broke. TensorFlow and torch are
+imported inside the functions that need them: importing this module never
+imports a backend.
+"""
+
+from __future__ import annotations
+
+import keras
+
+# ------------------------------------------------------------------ Keras
+
+
+def in_stateless_scope() -> bool:
+    """Whether Keras is tracing a stateless call (JAX's `stateless_apply`): variables must not be written."""
+    from keras.src.backend.common.stateless_scope import in_stateless_scope as keras_in_stateless_scope
+
+    return keras_in_stateless_scope()
+
+
+def base_optimizer_keyword_args() -> str:
+    """The `Args:` text Keras's own optimizers append for the base keywords."""
+    from keras.src.optimizers.optimizer import base_optimizer_keyword_args as text
+
+    return text.strip()
+
+
+def raw_learning_rate(optimizer):
+    """The learning rate as given (float, Variable, schedule or callable), not evaluated."""
+    return optimizer._learning_rate
+
+
+def learning_rate_at(optimizer, step):
+    """The (uncorrected) learning rate after `step` applied updates.
+
+    Keras's `_get_current_learning_rate` at a given step instead of at
+    `optimizer.iterations`: a schedule is called with `step`, a zero-argument
+    callable is called, a variable or float is read.
+    """
+    learning_rate = raw_learning_rate(optimizer)
+    if isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+        return learning_rate(step)
+    if isinstance(learning_rate, keras.Variable):
+        return learning_rate.value
+    if callable(learning_rate):
+        return learning_rate()
+    return learning_rate
+
+
+def trainable_variables(optimizer) -> list:
+    """The model variables the optimizer was built for (empty before `build`)."""
+    return list(getattr(optimizer, "_trainable_variables", None) or [])
+
+
+def variable_index(optimizer, variable) -> int:
+    """The position of a model variable in the list the optimizer was built for."""
+    return optimizer._get_variable_index(variable)
+
+
+def overwritten_with_gradient(optimizer, variable) -> bool:
+    """Whether Keras overwrites `variable` with its gradient (float8 scales), so it needs no slots."""
+    return optimizer._overwrite_variable_with_gradient(variable)
+
+
+def uses_weight_decay(optimizer, variable) -> bool:
+    """Keras's `exclude_from_weight_decay` decision for `variable`."""
+    return optimizer._use_weight_decay(variable)
+
+
+def has_weight_decay_exclusions(optimizer) -> bool:
+    return bool(getattr(optimizer, "_exclude_from_weight_decay", None)) or (
+        getattr(optimizer, "_exclude_from_weight_decay_pattern", None) is not None
+    )
+
+
+def moving_averages(optimizer) -> list:
+    """The EMA variables, one per model variable (None where there is none)."""
+    return list(getattr(optimizer, "_model_variables_moving_average", None) or [])
+
+
+def gradient_accumulators(optimizer) -> list:
+    """The gradient accumulators of `gradient_accumulation_steps`, one per model variable."""
+    return list(getattr(optimizer, "_accumulated_gradients", None) or [])
+
+
+def is_tracked(optimizer, variable) -> bool:
+    return any(v is variable for v in optimizer._variables)
+
+
+def track_variable(optimizer, variable) -> None:
+    """Make a variable created outside `add_variable` part of the optimizer's state."""
+    optimizer._track_variable(variable)
+
+
+def variable_layout(variable):
+    """A Keras variable's `keras.distribution` layout, or None."""
+    return getattr(variable, "_layout", None)
+
+
+# ------------------------------------------------------------------ TensorFlow
+
+
+def tf_in_xla_context() -> bool:
+    """Whether the TF op being built will be compiled by XLA (`jit_compile=True`).
+
+    If TF moves the function, says True: the callers' XLA forms are correct
+    everywhere, only slower without XLA.
+    """
+    import tensorflow as tf
+
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:
+        return True
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+# ------------------------------------------------------------------ torch
+
+
+def torch_sparse_entries(gradient):
+    """`(row indices, values)` of a torch sparse COO gradient, duplicates kept if uncoalesced.
+
+    The public `indices()`/`values()` require a coalesced tensor, and
+    coalescing would sum the duplicates.
+    """
+    if gradient.is_coalesced():
+        return gradient.indices()[0], gradient.values()
+    return gradient._indices()[0], gradient._values()

@@ -1,0 +1,83 @@
+"""Optimizer state created per model variable, with the owner and role recorded at creation.
+
+The saved-state signature (`_saving`) describes each optimizer variable by its
+role (`row_second_moment`, `momenta`, ...) and the model variable it belongs
+to. Both are known when the slot is made, so they are recorded then, not
+parsed back from names.
+"""
+
+from __future__ import annotations
+
+import keras
+
+from keras_tpu_optim import _private
+
+_ROLES_ATTRIBUTE = "_keras_tpu_optim_roles"
+
+
+def variable_path(variable) -> str:
+    """A model variable's path; a plain `tf.Variable` has only a name (`dense/kernel:0`)."""
+    path = getattr(variable, "path", None)
+    return path if path is not None else str(variable.name).split(":")[0]
+
+
+def record_role(optimizer, state_variable, owner_index, role: str) -> None:
+    """Remember that `state_variable` is the `role` of the model variable at `owner_index`."""
+    roles = optimizer.__dict__.setdefault(_ROLES_ATTRIBUTE, {})
+    roles[id(state_variable)] = (owner_index, role)
+
+
+def role_of(optimizer, state_variable):
+    """`(owner_index, role)` recorded for `state_variable`, or None for the optimizer's own variables."""
+    return optimizer.__dict__.get(_ROLES_ATTRIBUTE, {}).get(id(state_variable))
+
+
+def record_keras_roles(optimizer) -> None:
+    """Record the roles of the state Keras's base `build` creates: EMA averages and gradient accumulators.
+
+    Keras keeps both as lists aligned with the model variables (None where a
+    variable has none).
+    """
+    for role, variables in (
+        ("average", _private.moving_averages(optimizer)),
+        ("gradient_accumulator", _private.gradient_accumulators(optimizer)),
+    ):
+        for owner, variable in enumerate(variables):
+            if variable is not None:
+                record_role(optimizer, variable, owner, role)
+
+
+def add_slot(optimizer, variable, slot_name: str, kept_axes=None, dtype: str = "float32"):
+    """A zero-initialised optimizer variable named and laid out after `variable`.
+
+    Args:
+        kept_axes: the axes of `variable` the slot keeps (None: all of them, a
+            full-size slot). Factored statistics keep all but one axis, and
+            under `keras.distribution` they are sharded along the axes they
+            keep, like the variable.
+        dtype: slots are float32 by default whatever the variable's dtype, so
+            the statistics of bf16/fp16 variables do not underflow.
+    """
+    axes = range(len(variable.shape)) if kept_axes is None else kept_axes
+    shape = tuple(variable.shape[i] for i in axes)
+    slot = optimizer.add_variable(
+        shape=shape,
+        initializer="zeros",
+        dtype=dtype,
+        name=variable_path(variable).replace("/", "_") + "_" + slot_name,
+        layout=_kept_layout(_private.variable_layout(variable), axes),
+    )
+    record_role(optimizer, slot, _private.variable_index(optimizer, variable), slot_name)
+    return slot
+
+
+def _kept_layout(layout, axes):
+    """The variable's layout restricted to `axes`, when it is a Keras TensorLayout."""
+    if layout is None:
+        return None
+    layout_axes = getattr(layout, "axes", None)
+    if layout_axes is None:
+        return layout if list(axes) == list(range(len(axes))) else None
+    return keras.distribution.TensorLayout(
+        [layout_axes[i] for i in axes], device_mesh=getattr(layout, "device_mesh", None)
+    )

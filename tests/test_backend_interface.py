@@ -1,0 +1,150 @@
+"""The backend interface: resolved once, kernels chosen by platform, neutral math free of backends, no import cycles.
+
+The platform is injected (an optimizer's per-variable platform is set by
+hand), so the rule is tested without an accelerator: on "gpu" and "tpu" the
+CPU-measured forms must not run, and both forms give the same numbers.
+"""
+
+import ast
+import pathlib
+
+import keras
+import numpy as np
+import pytest
+
+import keras_tpu_optim as kto
+from keras_tpu_optim import _backend
+from keras_tpu_optim._math import adafactor as adafactor_math
+
+BACKEND = keras.backend.backend()
+PACKAGE = pathlib.Path(kto.__file__).parent
+BACKEND_FRAMEWORKS = ("tensorflow", "jax", "jaxlib", "torch")
+INTERFACE = (
+    "platform_of", "gradient_values", "gradient_shape", "unscale", "densify",
+    "apply_if", "adafactor_step", "embedding_adam_step", "adafactor_reductions",
+)
+
+
+def _module_name(path):
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(path) for path in PACKAGE.rglob("*.py")}
+
+
+def _imports(path):
+    """The modules `path` imports; `from package import module` counts as the module."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                yield submodule if submodule in MODULES else node.module
+
+
+def test_backend_resolved_once_and_complete():
+    assert _backend.get() is _backend.get(BACKEND)
+    for name in INTERFACE:
+        assert callable(getattr(_backend.get(), name)), name
+    with pytest.raises(NotImplementedError, match="numpy"):
+        _backend.get("numpy")
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "_math").glob("*.py")) + [PACKAGE / "_backend" / "neutral.py"],
+                         ids=lambda p: p.name)
+def test_neutral_math_imports_no_backend_and_asks_for_none(path):
+    imported = set(_imports(path))
+    assert not {name for name in imported if name.split(".")[0] in BACKEND_FRAMEWORKS}
+    assert not {name for name in imported if name.startswith("keras_tpu_optim._backend.")}
+    assert "backend()" not in path.read_text()
+
+
+def test_dependencies_point_down():
+    """No module imports one above it: optimizers -> _backend -> neutral -> _math; no cycles."""
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        graph[_module_name(path)] = {m for m in _imports(path) if m.startswith("keras_tpu_optim")}
+    for name, imported in graph.items():
+        if name.startswith("keras_tpu_optim._backend") or name.startswith("keras_tpu_optim._math"):
+            assert not imported & {"keras_tpu_optim", "keras_tpu_optim.adafactor",
+                                   "keras_tpu_optim.embedding_adam", "keras_tpu_optim._base"}, name
+    visiting, done = set(), set()
+
+    def visit(name, trail):
+        if name in done or name not in graph:
+            return
+        assert name not in visiting, f"import cycle: {' -> '.join(trail + [name])}"
+        visiting.add(name)
+        for child in graph[name]:
+            visit(child, trail + [name])
+        visiting.discard(name)
+        done.add(name)
+
+    for name in graph:
+        visit(name, [])
+
+
+def test_platform_of_a_variable_here_is_cpu():
+    variable = keras.Variable(np.ones((3, 2), np.float32))
+    assert _backend.get().platform_of(variable) == "cpu"
+    optimizer = kto.Adafactor()
+    optimizer.build([variable])
+    assert optimizer.platform_of(variable) == "cpu"
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
+def test_adafactor_reductions_by_platform(platform):
+    reductions = _backend.get().adafactor_reductions(platform)
+    if platform == "cpu" and BACKEND in ("tensorflow", "jax"):
+        assert type(reductions) is not adafactor_math.Reductions
+        assert type(reductions).__module__ == f"keras_tpu_optim._backend.{BACKEND}.adafactor"
+    else:
+        assert reductions is adafactor_math.NEUTRAL
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="the in-place CPU kernel is the torch backend's")
+@pytest.mark.parametrize("platform,expected", [("cpu", True), ("gpu", False), ("mps", False)])
+def test_torch_in_place_kernel_only_on_cpu(platform, expected):
+    assert _backend.get().fused_adafactor_applies(platform) is expected
+
+
+def _run(platform, monkeypatch=None):
+    rng = np.random.default_rng(0)
+    shapes = [(40, 24), (24,), (2, 17, 5)]
+    variables = [keras.Variable(rng.normal(size=s).astype(np.float32), name=f"v{i}") for i, s in enumerate(shapes)]
+    optimizer = kto.Adafactor(learning_rate=0.05, beta_1=0.5)
+    optimizer.build(variables)
+    optimizer._platforms = [platform] * len(variables)
+    for step in range(3):
+        grads = [rng.normal(size=s).astype(np.float32) for s in shapes]
+        optimizer.apply(grads, variables)
+    return [keras.ops.convert_to_numpy(v) for v in variables]
+
+
+def test_injected_platform_picks_neutral_kernels_with_the_same_numbers(monkeypatch):
+    cpu = _run("cpu")
+    module = _backend.get()
+    if BACKEND in ("tensorflow", "jax"):
+        cpu_class = type(module.adafactor_reductions("cpu"))
+        for method in ("mean_square", "row_mean_of_square", "column_mean_of_square",
+                       "row_mean_of_weighted_square", "separately"):
+            if method in vars(cpu_class):
+                monkeypatch.setattr(cpu_class, method, _forbidden(method))
+    else:
+        from keras_tpu_optim._backend.torch import adafactor as torch_adafactor
+
+        monkeypatch.setattr(torch_adafactor, "adafactor_step", _forbidden("the in-place kernel"))
+    for platform in ("gpu", "tpu"):
+        keras.backend.clear_session()
+        for ours, theirs in zip(_run(platform), cpu):
+            np.testing.assert_allclose(ours, theirs, rtol=2e-6, atol=1e-7)
+
+
+def _forbidden(what):
+    def fail(*args, **kwargs):
+        raise AssertionError(f"{what} ran for a variable that is not on a CPU")
+
+    return fail

@@ -1,0 +1,133 @@
+"""Every private Keras/TF/torch API the package uses (`keras_tpu_optim._private`) still exists and behaves as used.
+
+A failure here after an upgrade names the one function to adapt.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_tpu_optim as kto
+from keras_tpu_optim import _private
+
+BACKEND = keras.backend.backend()
+
+
+def built(optimizer, variables):
+    optimizer.build(variables)
+    return optimizer
+
+
+def test_in_stateless_scope():
+    assert not _private.in_stateless_scope()
+    with keras.StatelessScope():
+        assert _private.in_stateless_scope()
+
+
+def test_base_optimizer_keyword_args_documents_the_base_keywords():
+    text = _private.base_optimizer_keyword_args()
+    for keyword in ("weight_decay", "clipnorm", "use_ema", "gradient_accumulation_steps"):
+        assert keyword in text
+
+
+@pytest.mark.parametrize(
+    "learning_rate",
+    [0.01, keras.optimizers.schedules.ExponentialDecay(0.1, 2, 0.5), lambda: 0.03],
+    ids=["float", "schedule", "callable"],
+)
+def test_learning_rate_at_the_current_step_is_keras_learning_rate(learning_rate):
+    variable = keras.Variable(np.ones((3, 2), np.float32))
+    optimizer = built(kto.Adafactor(learning_rate=learning_rate), [variable])
+    for _ in range(3):
+        expected = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+        actual = _private.learning_rate_at(optimizer, optimizer.iterations)
+        assert float(keras.ops.convert_to_numpy(actual)) == pytest.approx(expected, rel=1e-6)
+        optimizer.apply([np.ones((3, 2), np.float32)], [variable])
+    assert _private.raw_learning_rate(optimizer) is optimizer._learning_rate
+
+
+def test_learning_rate_at_another_step_follows_the_schedule():
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 2, 0.5)
+    optimizer = kto.EmbeddingAdam(schedule)
+    assert float(keras.ops.convert_to_numpy(_private.learning_rate_at(optimizer, 4))) == pytest.approx(0.025)
+
+
+def test_variable_bookkeeping():
+    kernel = keras.Variable(np.ones((3, 2), np.float32), name="kernel")
+    bias = keras.Variable(np.ones((2,), np.float32), name="bias")
+    optimizer = kto.Adafactor(use_ema=True, gradient_accumulation_steps=2, weight_decay=0.1)
+    optimizer.exclude_from_weight_decay(var_names=["bias"])
+    optimizer.build([kernel, bias])
+    assert _private.trainable_variables(optimizer) == [kernel, bias]
+    assert _private.variable_index(optimizer, bias) == 1
+    assert not _private.overwritten_with_gradient(optimizer, kernel)
+    assert _private.uses_weight_decay(optimizer, kernel) and not _private.uses_weight_decay(optimizer, bias)
+    assert _private.has_weight_decay_exclusions(optimizer)
+    assert not _private.has_weight_decay_exclusions(kto.Adafactor(weight_decay=0.1))
+    averages = _private.moving_averages(optimizer)
+    accumulators = _private.gradient_accumulators(optimizer)
+    assert [tuple(a.shape) for a in averages] == [(3, 2), (2,)]
+    assert [tuple(a.shape) for a in accumulators] == [(3, 2), (2,)]
+    assert all(_private.is_tracked(optimizer, v) for v in averages + accumulators)
+    extra = keras.Variable(np.zeros((2,), np.float32), name="extra")
+    assert not _private.is_tracked(optimizer, extra)
+    _private.track_variable(optimizer, extra)
+    assert _private.is_tracked(optimizer, extra)
+    assert _private.variable_layout(kernel) is None
+
+
+def test_overwritten_with_gradient_variables_are_seen():
+    variable = keras.Variable(np.ones((2,), np.float32))
+    variable.overwrite_with_gradient = True
+    optimizer = built(kto.Adafactor(), [variable])
+    assert _private.overwritten_with_gradient(optimizer, variable)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA-context test is the TF backend's")
+def test_tf_in_xla_context():
+    import tensorflow as tf
+
+    seen = {}
+
+    @tf.function(jit_compile=True)
+    def compiled():
+        seen["compiled"] = _private.tf_in_xla_context()
+        return tf.constant(0)
+
+    @tf.function
+    def graph():
+        seen["graph"] = _private.tf_in_xla_context()
+        return tf.constant(0)
+
+    compiled()
+    graph()
+    assert seen == {"compiled": True, "graph": False}
+    assert not _private.tf_in_xla_context()
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch sparse tensors are the torch backend's")
+def test_torch_sparse_entries_keep_duplicates_unless_coalesced():
+    import torch
+
+    indices = torch.tensor([[1, 3, 1]])
+    values = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    gradient = torch.sparse_coo_tensor(indices, values, (5, 2))
+    ids, rows = _private.torch_sparse_entries(gradient)
+    np.testing.assert_array_equal(ids.numpy(), [1, 3, 1])
+    np.testing.assert_array_equal(rows.numpy(), values.numpy())
+    ids, rows = _private.torch_sparse_entries(gradient.coalesce())
+    np.testing.assert_array_equal(ids.numpy(), [1, 3])
+    np.testing.assert_array_equal(rows.numpy(), [[6.0, 8.0], [3.0, 4.0]])
+
+
+def test_keras_weight_decay_hook_is_the_one_embedding_adam_overrides():
+    """EmbeddingAdam turns Keras's every-row decay off by overriding `_apply_weight_decay`."""
+    assert callable(getattr(keras.optimizers.Optimizer, "_apply_weight_decay", None))
+    assert "_apply_weight_decay" in vars(kto.EmbeddingAdam)
+    table = keras.Variable(np.ones((3, 2), np.float32))
+    optimizer = kto.EmbeddingAdam(0.1, weight_decay=0.5)
+    gradient = np.zeros((3, 2), np.float32)
+    gradient[0] = 1.0
+    optimizer.apply([gradient], [table])
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(table)[1:], 1.0)
+    assert np.all(keras.ops.convert_to_numpy(table)[0] < 1.0)

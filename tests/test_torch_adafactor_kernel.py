@@ -1,0 +1,277 @@
+"""The eager-torch Adafactor kernel (`_backend/torch/adafactor.py`) on its own.
+
+Checked against the independent numpy reference (`tests/reference/numpy_adafactor.py`),
+for host-device synchronisations (none allowed) and for its scratch memory.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+
+import keras
+import ml_dtypes
+import numpy as np
+import pytest
+
+BACKEND = keras.backend.backend()
+if BACKEND != "torch":
+    # Never import torch next to another backend (TensorFlow and torch must not share a process).
+    _REASON = f"the eager-torch Adafactor kernel needs KERAS_BACKEND=torch; this run is {BACKEND}"
+    print(f"{__name__}: skipped: {_REASON}")
+    pytest.skip(_REASON, allow_module_level=True)
+
+torch = pytest.importorskip("torch")
+
+from keras_tpu_optim._backend.torch import adafactor  # noqa: E402
+from reference.numpy_adafactor import NumpyAdafactor  # noqa: E402  (tests/ is on pythonpath)
+
+SHAPES = [(3,), (37, 5), (2, 16, 3), (1, 7)]
+STEPS = 5
+# As tests/test_adafactor.py: bf16 is about one unit in the last place (2^-7 relative).
+TOLERANCES = {
+    "float32": dict(rtol=1e-4, atol=1e-6),
+    "bfloat16": dict(rtol=1e-2, atol=1e-2),
+}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+NUMPY_DTYPES = {"float32": np.dtype("float32"), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+SYNC_METHODS = ("item", "__float__", "__int__", "__bool__", "tolist", "numpy", "cpu")
+
+
+def make_options(reference: NumpyAdafactor):
+    return types.SimpleNamespace(
+        beta_2_decay=reference.beta_2_decay,
+        epsilon_1=reference.epsilon_1,
+        epsilon_2=reference.epsilon_2,
+        clip_threshold=reference.clip_threshold,
+        relative_step=reference.relative_step,
+        multiply_by_parameter_scale=reference.multiply_by_parameter_scale,
+        beta_1=reference.beta_1,
+    )
+
+
+def make_state(shape, beta_1):
+    """Zero slots, as the optimizer builds them: factored for rank >= 2."""
+    if len(shape) >= 2:
+        slots = (torch.zeros(shape[:-1]), torch.zeros(shape[:-2] + shape[-1:]))
+    else:
+        slots = (torch.zeros(shape),)
+    return slots, None if beta_1 is None else torch.zeros(shape)
+
+
+def make_data(shapes, steps, seed=0):
+    """Initial values and per-step gradients whose scale varies a lot (so averaging and clipping matter)."""
+    rng = np.random.default_rng(seed)
+    inits = [rng.normal(size=s).astype("float32") for s in shapes]
+    grads = []
+    for _ in range(steps):
+        scale = 10.0 ** rng.uniform(-1.5, 1.5)
+        grads.append([(scale * rng.normal(size=s)).astype("float32") for s in shapes])
+    return inits, grads
+
+
+def to_torch(x, dtype):
+    return torch.tensor(np.asarray(x, dtype=np.float32), dtype=TORCH_DTYPES[dtype])  # a copy: kernels write in place
+
+
+def to_float64(t):
+    return t.to(torch.float32).numpy().astype(np.float64)
+
+
+@pytest.mark.parametrize("multiply_by_parameter_scale", [True, False], ids=["param_scale", "no_param_scale"])
+@pytest.mark.parametrize("relative_step", [True, False], ids=["relative", "absolute"])
+@pytest.mark.parametrize("beta_1", [None, 0.9], ids=["no_momentum", "momentum"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_matches_numpy_reference(dtype, beta_1, relative_step, multiply_by_parameter_scale):
+    # lr 0.5 is above the relative-step cap 1/sqrt(t) from t = 5.
+    reference = NumpyAdafactor(
+        learning_rate=0.5,
+        relative_step=relative_step,
+        beta_1=beta_1,
+        multiply_by_parameter_scale=multiply_by_parameter_scale,
+    )
+    options = make_options(reference)
+    inits, grads = make_data(SHAPES, STEPS)
+    np_dtype = NUMPY_DTYPES[dtype]
+    expected = [x.astype(np_dtype) for x in inits]
+    params = [to_torch(x, dtype) for x in inits]
+    states = [make_state(s, beta_1) for s in SHAPES]
+    scratch = adafactor.Scratch()
+    for t, step_grads in enumerate(grads):
+        expected = reference.step(expected, [g.astype(np_dtype) for g in step_grads])
+        # Other scalar dtypes than the kernel's float32, to exercise the casts.
+        learning_rate = torch.tensor(0.5, dtype=torch.float64)
+        step = torch.tensor(t + 1, dtype=torch.int64)
+        for param, grad, (slots, momentum) in zip(params, step_grads, states):
+            adafactor.adafactor_step(
+                to_torch(grad, dtype),
+                param,
+                slots,
+                momentum,
+                learning_rate=learning_rate,
+                step=step,
+                options=options,
+                scratch=scratch,
+            )
+        for i, (param, want) in enumerate(zip(params, expected)):
+            assert param.dtype == TORCH_DTYPES[dtype]
+            np.testing.assert_allclose(
+                to_float64(param),
+                want.astype(np.float64),
+                **TOLERANCES[dtype],
+                err_msg=f"step {t + 1}, variable {i} of shape {SHAPES[i]}",
+            )
+    # The float32 statistics, too (they see the same, rounded, gradients as the reference).
+    for i, ((slots, momentum), state) in enumerate(zip(states, reference.state)):
+        names = ("row", "column") if len(slots) == 2 else ("v",)
+        for slot, name in zip(slots, names):
+            assert slot.dtype == torch.float32
+            np.testing.assert_allclose(to_float64(slot), state[name], rtol=1e-4, err_msg=f"{name} of variable {i}")
+        if beta_1 is not None:
+            np.testing.assert_allclose(to_float64(momentum), state["m"], **TOLERANCES[dtype], err_msg=f"m {i}")
+    # Guard against a vacuous comparison: every variable moved.
+    for i, (final, init) in enumerate(zip(expected, inits)):
+        assert not np.allclose(final.astype(np.float64), init, rtol=1e-3, atol=0), f"variable {i} never moved"
+    assert scratch.nbytes == 4 * max(int(np.prod(s)) for s in SHAPES)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("beta_1", [None, 0.9], ids=["no_momentum", "momentum"])
+@pytest.mark.parametrize("shape", [(64, 96), (2000,)], ids=["factored", "unfactored"])
+def test_low_precision_param_is_updated_in_float32_and_rounded_once(shape, beta_1, dtype):
+    # Exact: the same step on the param's values held in float32, rounded afterwards, is
+    # bit-identical; rounding twice (delta, then the difference) is not, on this many elements.
+    options = make_options(NumpyAdafactor(beta_1=beta_1))
+    generator = torch.Generator().manual_seed(3)
+    low = torch.randn(shape, generator=generator).to(dtype)
+    high = low.to(torch.float32)
+    grad = torch.randn(shape, generator=generator)
+    states = [make_state(shape, beta_1) for _ in range(2)]
+    for param, (slots, momentum) in zip((low, high), states):
+        if momentum is not None:
+            momentum.copy_(0.1 * torch.randn(shape, generator=torch.Generator().manual_seed(4)))
+        adafactor.adafactor_step(
+            grad,
+            param,
+            slots,
+            momentum,
+            learning_rate=torch.tensor(0.01),
+            step=torch.tensor(2),
+            options=options,
+            scratch=adafactor.Scratch(),
+        )
+    assert low.dtype == dtype
+    assert torch.equal(low, high.to(dtype))
+    for a, b in zip(states[0][0] + (states[0][1],), states[1][0] + (states[1][1],)):
+        assert a is None and b is None or torch.equal(a, b)
+
+
+@pytest.fixture
+def sync_counter(monkeypatch):
+    """Counts calls of the tensor methods that read a value back to the host (still delegating)."""
+    counts = dict.fromkeys(SYNC_METHODS, 0)
+
+    def counting(name, method):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return method(*args, **kwargs)
+
+        return wrapper
+
+    for name in SYNC_METHODS:
+        monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
+    # Guard: the patches do see Python-level reads.
+    float(torch.tensor(1.0))
+    assert counts["__float__"] == 1
+    counts["__float__"] = 0
+    return counts
+
+
+def test_no_host_device_synchronisation(sync_counter):
+    shapes = [(3,), (37, 5), (2, 16, 3), (1, 7), (), (64,), (8, 8), (128, 16), (3, 4, 5), (16, 1)] * 2
+    rng = np.random.default_rng(1)
+    options = make_options(NumpyAdafactor(beta_1=0.9))
+    # Half bf16: the low-precision path (copy into the scratch, one rounding) syncs no more.
+    dtypes = ["float32", "bfloat16"] * 10
+    params = [to_torch(rng.normal(size=s), d) for s, d in zip(shapes, dtypes)]
+    grads = [to_torch(rng.normal(size=s), d) for s, d in zip(shapes, dtypes)]
+    states = [make_state(s, 0.9) for s in shapes]
+    learning_rate = torch.tensor(0.01)
+    scratch = adafactor.Scratch()
+    for t in range(3):
+        step = torch.tensor(t + 1.0)
+        for param, grad, (slots, momentum) in zip(params, grads, states):
+            adafactor.adafactor_step(
+                grad, param, slots, momentum, learning_rate=learning_rate, step=step, options=options, scratch=scratch
+            )
+    assert sum(sync_counter.values()) == 0, {k: v for k, v in sync_counter.items() if v}
+    assert all(bool(torch.isfinite(p).all()) for p in params)
+
+
+# float32 only: on CPU, torch materialises a float32 copy of a bf16 operand in mixed-dtype
+# ops (CUDA casts on the fly), so a bf16 variable costs temporaries here that it does not on GPU.
+@pytest.mark.parametrize("beta_1", [None, 0.9], ids=["no_momentum", "momentum"])
+@pytest.mark.parametrize("shape", [(256, 512), (256 * 512,)], ids=["factored", "unfactored"])
+def test_no_full_size_allocation_besides_the_scratch(shape, beta_1):
+    from torch.profiler import ProfilerActivity, profile
+
+    options = make_options(NumpyAdafactor(beta_1=beta_1))
+    rng = np.random.default_rng(2)
+    param, grad = (to_torch(rng.normal(size=shape), "float32") for _ in range(2))
+    slots, momentum = make_state(shape, beta_1)
+    scratch = adafactor.Scratch()
+    scratch.like(param)  # allocated before profiling: only the kernel's own temporaries count
+    kwargs = dict(learning_rate=torch.tensor(0.01), step=torch.tensor(1.0), options=options, scratch=scratch)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        adafactor.adafactor_step(grad, param, slots, momentum, **kwargs)
+    # Row/column-sized temporaries are at most 512 floats; a copy of the variable is 512 KiB.
+    largest = max((e.cpu_memory_usage for e in prof.events()), default=0)
+    assert largest < param.numel() * 4 // 8, f"an op allocated {largest} bytes"
+    assert scratch.nbytes == 4 * param.numel()
+
+
+def test_scratch_grows_is_reused_and_released():
+    scratch = adafactor.Scratch()
+    assert scratch.nbytes == 0
+    small = scratch.like(torch.empty(3, 4, dtype=torch.bfloat16))
+    assert small.shape == (3, 4) and small.dtype == torch.float32 and scratch.nbytes == 4 * 12
+    # Grows to the largest variable...
+    large = scratch.like(torch.empty(50, 20))
+    assert large.shape == (50, 20) and scratch.nbytes == 4 * 1000
+    # ... and is reused, not reallocated, for every smaller one.
+    again = scratch.like(torch.empty(7))
+    assert again.data_ptr() == large.data_ptr()
+    assert again.untyped_storage().data_ptr() == large.untyped_storage().data_ptr()
+    assert scratch.nbytes == 4 * 1000
+
+    # Through the kernel: sized to the largest of a set of variables, the same storage every step.
+    options = make_options(NumpyAdafactor())
+    shapes = [(5,), (40, 30), (9, 2)]
+    params = [torch.randn(s) for s in shapes]
+    states = [make_state(s, None) for s in shapes]
+    storages = set()
+    for t in range(3):
+        for param, (slots, momentum) in zip(params, states):
+            adafactor.adafactor_step(
+                torch.randn(param.shape),
+                param,
+                slots,
+                momentum,
+                learning_rate=torch.tensor(0.01),
+                step=torch.tensor(t + 1),
+                options=options,
+                scratch=scratch,
+            )
+            if t > 0:  # the first step grows it to the largest variable
+                storages.add(scratch.like(param).untyped_storage().data_ptr())
+    assert len(storages) == 1
+    assert scratch.nbytes == 4 * 1200
+
+    # release() drops the buffer: once no view is left, its memory is freed.
+    buffer = weakref.ref(scratch.like(params[0])._base)
+    del small, large, again
+    assert buffer() is not None
+    scratch.release()
+    assert scratch.nbytes == 0
+    assert buffer() is None
+    assert scratch.like(torch.empty(2)).shape == (2,) and scratch.nbytes == 8
