@@ -21,7 +21,8 @@ import keras_tpu_optim as kto
 from tests.reference.numpy_embedding_adam import NumpyEmbeddingAdam, clip_by_norm
 
 BACKEND = keras.backend.backend()
-GRAD_KINDS = ["dense"] if BACKEND == "jax" else ["dense", "sparse"]
+# "sparse": tf.IndexedSlices, a JAX BCOO, a torch sparse COO tensor.
+GRAD_KINDS = ["dense", "sparse"]
 ROWS, DIM = 9, 3
 
 # Steps of a sparse gradient: ids (with duplicates) and, per id, a gradient row seed.
@@ -69,6 +70,13 @@ def make_gradient(kind, ids, values, shape, dtype="float32"):
             tf.cast(tf.constant(values), dtype),
             tf.constant(ids, dtype=tf.int32),
             dense_shape=tf.constant(shape, dtype=tf.int32),
+        )
+    if BACKEND == "jax":
+        import jax.numpy as jnp
+        from jax.experimental import sparse as jax_sparse
+
+        return jax_sparse.BCOO(
+            (jnp.asarray(values, dtype), jnp.asarray(ids, jnp.int32)[:, None]), shape=tuple(shape)
         )
     if BACKEND == "torch":
         import torch
@@ -217,7 +225,6 @@ def test_zero_argument_callable_learning_rate():
         assert_matches_reference(optimizer, variable, reference)
 
 
-@pytest.mark.skipif(BACKEND == "jax", reason="JAX has no sparse gradient type: duplicate ids only exist in sparse gradients")
 @pytest.mark.parametrize("sum_inside_sqrt", [True, False])
 def test_duplicate_ids_without_accumulation_last_occurrence_wins(sum_inside_sqrt):
     options = {"use_gradient_accumulation": False, "sum_inside_sqrt": sum_inside_sqrt,
@@ -230,7 +237,6 @@ def test_duplicate_ids_without_accumulation_last_occurrence_wins(sum_inside_sqrt
     assert not np.allclose(summed.weights, reference.weights, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.skipif(BACKEND == "jax", reason="JAX has no sparse gradient type: duplicate ids only exist in sparse gradients")
 def test_duplicate_ids_with_accumulation_equal_their_dense_sum():
     _, sparse_variable, _ = run_against_reference({"clipvalue": 0.4}, "sparse")
     _, dense_variable, _ = run_against_reference({"clipvalue": 0.4}, "dense")
@@ -695,6 +701,45 @@ def test_jax_jit_stateless_apply(max_touched_rows, rank):
     variable.assign(trainable_values[0])
     assert_matches_reference(optimizer, variable, reference)
     assert int(ops.convert_to_numpy(optimizer.iterations)) == len(steps)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="BCOO gradients under jax.jit are JAX's sparse path")
+@pytest.mark.parametrize("use_gradient_accumulation", [True, False])
+@pytest.mark.parametrize("rank", [1, 2])
+def test_jax_jit_bcoo_gradients_update_only_their_rows(use_gradient_accumulation, rank):
+    """Under jit, with duplicates and explicit zeros: a BCOO's indices are the touched rows, as an IndexedSlices'."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import sparse as jax_sparse
+
+    shape = (ROWS, DIM) if rank == 2 else (ROWS,)
+    options = {**XLA_OPTIONS, "use_gradient_accumulation": use_gradient_accumulation}
+    if not use_gradient_accumulation:
+        options.pop("clipvalue", None)
+    init = initial_table(shape)
+    variable = keras.Variable(init, name="table")
+    optimizer = kto.EmbeddingAdam(learning_rate=make_schedule(), **options)
+    optimizer.build([variable])
+    reference = NumpyEmbeddingAdam(init, learning_rate=schedule_reference, **options)
+    apply = jax.jit(optimizer.stateless_apply, donate_argnums=(0, 2))
+    optimizer_values = [v.value for v in optimizer.variables]
+    trainable_values = [variable.value]
+    for seed, ids in enumerate(STEP_IDS):
+        values = step_values(ids, seed, shape[1:])
+        values[-1] = 0.0  # an explicit zero still names its row
+        gradient = jax_sparse.BCOO((jnp.asarray(values), jnp.asarray(ids, jnp.int32)[:, None]), shape=shape)
+        before = [np.array(v) for v in [trainable_values[0], *optimizer_values]]
+        trainable_values, optimizer_values = apply(optimizer_values, [gradient], trainable_values)
+        reference.apply_sparse(ids, values)
+        untouched = np.setdiff1d(np.arange(ROWS), ids)
+        after = [np.asarray(v) for v in [trainable_values[0], *optimizer_values]]
+        for old, new in zip(before, after):
+            if old.shape == shape:
+                np.testing.assert_array_equal(new[untouched], old[untouched])
+    for target, value in zip(optimizer.variables, optimizer_values):
+        target.assign(value)
+    variable.assign(trainable_values[0])
+    assert_matches_reference(optimizer, variable, reference)
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="the touched-row bitmap is the JAX path's")

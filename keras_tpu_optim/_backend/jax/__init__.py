@@ -71,7 +71,13 @@ def adafactor_step(optimizer, gradient, variable, learning_rate):
 
 
 def embedding_adam_step(optimizer, gradient, variable, learning_rate):
-    lazy_row_update = functools.partial(rows.lazy_row_update, max_touched_rows=optimizer.max_touched_rows)
+    if isinstance(gradient, jax_sparse.BCOO):
+        # The rows a BCOO names are the touched rows, as a tf.IndexedSlices' indices.
+        lazy_row_update = functools.partial(
+            rows.sparse_row_update, accumulate_duplicates=optimizer.use_gradient_accumulation
+        )
+    else:
+        lazy_row_update = functools.partial(rows.lazy_row_update, max_touched_rows=optimizer.max_touched_rows)
     neutral.embedding_adam_step(
-        optimizer, densify(gradient), variable, learning_rate, lazy_row_update=lazy_row_update, densify=densify
+        optimizer, gradient, variable, learning_rate, lazy_row_update=lazy_row_update, densify=densify
     )

@@ -1,4 +1,8 @@
-"""JAX: dense gradients under `jax.jit`, with static shapes.
+"""JAX: the touched rows of a table, from a dense or a BCOO gradient, under `jax.jit` (static shapes).
+
+A BCOO gradient names its rows: they are sorted, duplicates summed (or the
+last occurrence kept), gathered, updated and scattered back, at the cost of
+the stored entries (`sparse_row_update`), as a `tf.IndexedSlices` on TF.
 
 The touched rows of a dense gradient are processed in rounds of a static
 capacity, inside a `lax.while_loop` that runs as many rounds as the step
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import sparse as jax_sparse
 
 _BITS = 32
 
@@ -103,3 +108,45 @@ def lazy_row_update(update_rows, gradient, variable, slots, *, max_touched_rows)
         target.assign(value)
 
 
+
+def row_entries(gradient):
+    """`(ids, rows)` of a BCOO gradient: one row id and one `[*row_shape]` row per stored entry.
+
+    A BCOO whose sparse dimensions go beyond the first (element-sparse) gets
+    its entries' rows densified, one row per entry (static shapes).
+    """
+    if gradient.n_batch != 0 or gradient.n_sparse != 1:
+        gradient = jax_sparse.bcoo_update_layout(gradient, n_batch=0, n_dense=gradient.ndim - 1, on_inefficient=None)
+    return gradient.indices[:, 0], gradient.data
+
+
+def grouped_rows(ids, rows, accumulate_duplicates):
+    """Ids sorted, each carrying its group's row: the sum of its duplicates, or the last occurrence's.
+
+    Static shapes (one entry per stored entry): duplicates carry identical
+    rows, so their updated rows are identical and their scatters agree.
+    """
+    count = ids.shape[0]
+    order = jnp.argsort(ids, stable=True)
+    ids, rows = ids[order], rows[order]
+    starts = jnp.concatenate([jnp.ones((min(count, 1),), bool), ids[1:] != ids[:-1]])
+    group = jnp.cumsum(starts) - 1
+    if accumulate_duplicates:
+        return ids, jax.ops.segment_sum(rows, group, num_segments=count)[group]
+    # The sort is stable: the last of a group is the id's last occurrence.
+    last = jax.ops.segment_max(jnp.arange(count), group, num_segments=count)
+    return ids, rows[last[group]]
+
+
+def sparse_row_update(update_rows, gradient, variable, slots, *, accumulate_duplicates):
+    """Update only the rows a BCOO gradient names: O(stored entries x row size), under `jax.jit` too.
+
+    `update_rows(grad_rows, weight_rows, *slot_rows)` returns the new
+    `(weight_rows, *slot_rows)`. Ids outside the table (BCOO's padding) are
+    dropped.
+    """
+    ids, rows = grouped_rows(*row_entries(gradient), accumulate_duplicates)
+    tables = (variable.value, *(s.value for s in slots))
+    new_rows = update_rows(rows, *(t.at[ids].get(mode="clip") for t in tables))
+    for target, table, new in zip((variable, *slots), tables, new_rows):
+        target.assign(table.at[ids].set(new.astype(table.dtype), mode="drop"))
