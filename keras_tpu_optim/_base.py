@@ -44,9 +44,9 @@ class OptimizerBase(keras.optimizers.Optimizer):
       optimizer.
     """
 
-    def __init__(self, *args, skip_nonfinite_updates=False, **kwargs):
-        _checks.check_base_arguments(*args, **kwargs)
-        super().__init__(*args, **kwargs)
+    def __init__(self, skip_nonfinite_updates=False, **kwargs):
+        _checks.check_base_arguments(**kwargs)
+        super().__init__(**kwargs)
         self.skip_nonfinite_updates = _checks.check_bool("skip_nonfinite_updates", skip_nonfinite_updates)
 
     @property

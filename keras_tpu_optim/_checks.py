@@ -81,30 +81,17 @@ def deserialize_callable(argument: str, name, custom_objects=None):
     return fn
 
 
-def check_base_arguments(
-    learning_rate=None,
-    weight_decay=None,
-    clipnorm=None,
-    clipvalue=None,
-    global_clipnorm=None,
-    use_ema=False,
-    ema_momentum=0.99,
-    ema_overwrite_frequency=None,
-    loss_scale_factor=None,
-    gradient_accumulation_steps=None,
-    name=None,
-    **kwargs,
-):
-    """The ranges Keras's base optimizer leaves unchecked, checked before any variable exists."""
+def check_base_arguments(**keywords):
+    """The ranges of Keras's base keywords that its base optimizer leaves unchecked, checked before any variable exists."""
+    learning_rate = keywords.get("learning_rate")
     if isinstance(learning_rate, (int, float)) and not isinstance(learning_rate, bool):
         check_number("learning_rate", learning_rate, low=0)
-    check_number("weight_decay", weight_decay, low=0, allow_none=True)
-    check_number("clipnorm", clipnorm, low=0, low_open=True, allow_none=True)
-    check_number("global_clipnorm", global_clipnorm, low=0, low_open=True, allow_none=True)
-    if not isinstance(clipvalue, (tuple, list)):
-        check_number("clipvalue", clipvalue, low=0, low_open=True, allow_none=True)
-    check_bool("use_ema", use_ema)
-    check_number("ema_momentum", ema_momentum, low=0, high=1)
-    check_int("ema_overwrite_frequency", ema_overwrite_frequency, low=1, allow_none=True)
-    check_number("loss_scale_factor", loss_scale_factor, low=0, low_open=True, allow_none=True)
-    check_int("gradient_accumulation_steps", gradient_accumulation_steps, low=2, allow_none=True)
+    for name in ("clipnorm", "global_clipnorm", "loss_scale_factor"):
+        check_number(name, keywords.get(name), low=0, low_open=True, allow_none=True)
+    check_number("weight_decay", keywords.get("weight_decay"), low=0, allow_none=True)
+    if not isinstance(keywords.get("clipvalue"), (tuple, list)):
+        check_number("clipvalue", keywords.get("clipvalue"), low=0, low_open=True, allow_none=True)
+    check_bool("use_ema", keywords.get("use_ema", False))
+    check_number("ema_momentum", keywords.get("ema_momentum", 0.99), low=0, high=1)
+    check_int("ema_overwrite_frequency", keywords.get("ema_overwrite_frequency"), low=1, allow_none=True)
+    check_int("gradient_accumulation_steps", keywords.get("gradient_accumulation_steps"), low=2, allow_none=True)

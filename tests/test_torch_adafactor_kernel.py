@@ -25,6 +25,7 @@ torch = pytest.importorskip("torch")
 
 from keras_tpu_optim._backend.torch import adafactor  # noqa: E402
 from reference.numpy_adafactor import NumpyAdafactor  # noqa: E402  (tests/ is on pythonpath)
+from test_adafactor import make_data  # noqa: E402
 
 SHAPES = [(3,), (37, 5), (2, 16, 3), (1, 7)]
 STEPS = 5
@@ -57,17 +58,6 @@ def make_state(shape, beta_1):
     else:
         slots = (torch.zeros(shape),)
     return slots, None if beta_1 is None else torch.zeros(shape)
-
-
-def make_data(shapes, steps, seed=0):
-    """Initial values and per-step gradients whose scale varies a lot (so averaging and clipping matter)."""
-    rng = np.random.default_rng(seed)
-    inits = [rng.normal(size=s).astype("float32") for s in shapes]
-    grads = []
-    for _ in range(steps):
-        scale = 10.0 ** rng.uniform(-1.5, 1.5)
-        grads.append([(scale * rng.normal(size=s)).astype("float32") for s in shapes])
-    return inits, grads
 
 
 def to_torch(x, dtype):

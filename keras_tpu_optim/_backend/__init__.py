@@ -34,6 +34,18 @@ from types import ModuleType
 import keras
 
 SUPPORTED = ("tensorflow", "jax", "torch")
+# What every backend package provides (see above).
+INTERFACE = (
+    "platform_of",
+    "gradient_values",
+    "gradient_shape",
+    "unscale",
+    "densify",
+    "apply_if",
+    "adafactor_step",
+    "embedding_adam_step",
+    "adafactor_reductions",
+)
 
 
 def get(name: str | None = None) -> ModuleType:

@@ -11,17 +11,6 @@ from keras_tpu_optim._backend import neutral
 from keras_tpu_optim._backend.jax import rows
 from keras_tpu_optim._backend.jax.adafactor import adafactor_reductions
 
-__all__ = [
-    "adafactor_reductions",
-    "adafactor_step",
-    "apply_if",
-    "densify",
-    "embedding_adam_step",
-    "gradient_shape",
-    "gradient_values",
-    "platform_of",
-    "unscale",
-]
 
 
 def platform_of(variable) -> str:

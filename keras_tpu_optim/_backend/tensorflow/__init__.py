@@ -14,17 +14,6 @@ from keras_tpu_optim._backend.tensorflow.adafactor import adafactor_reductions, 
 
 apply_if = neutral.apply_if  # tf.cond runs only the branch taken: sparse updates stay sparse.
 
-__all__ = [
-    "adafactor_reductions",
-    "adafactor_step",
-    "apply_if",
-    "densify",
-    "embedding_adam_step",
-    "gradient_shape",
-    "gradient_values",
-    "platform_of",
-    "unscale",
-]
 
 
 def platform_of(variable) -> str:

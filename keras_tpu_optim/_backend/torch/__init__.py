@@ -12,17 +12,6 @@ from keras_tpu_optim._backend import neutral
 from keras_tpu_optim._backend.torch import adafactor, rows
 from keras_tpu_optim._math import adafactor as adafactor_math
 
-__all__ = [
-    "adafactor_reductions",
-    "adafactor_step",
-    "apply_if",
-    "densify",
-    "embedding_adam_step",
-    "gradient_shape",
-    "gradient_values",
-    "platform_of",
-    "unscale",
-]
 
 apply_if = neutral.apply_if  # Eager: a Python branch.
 

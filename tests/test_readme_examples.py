@@ -1,0 +1,24 @@
+"""The README's code examples run as written."""
+
+import pathlib
+import re
+
+import keras
+import pytest
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _python_block_after(heading):
+    text = README.read_text()
+    section = text.split(heading, 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="the BCOO training step is the JAX backend's")
+def test_jax_bcoo_training_step_example_runs(capsys):
+    exec(compile(_python_block_after("## Sparse gradients on JAX"), "README.md", "exec"), {})
+    printed = capsys.readouterr().out.split()
+    losses = [float(x) for x in printed[1:6:2]]
+    assert losses[2] < losses[0]  # it trains
+    assert printed[-1] == "3"  # iterations, read back into the optimizer
