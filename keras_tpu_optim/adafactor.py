@@ -97,7 +97,7 @@ class Adafactor(OptimizerBase):
         ema_overwrite_frequency=None,
         loss_scale_factor=None,
         gradient_accumulation_steps=None,
-        name="adafactor",
+        name=None,
         **kwargs,
     ):
         options = AdafactorOptions(

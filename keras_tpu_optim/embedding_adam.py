@@ -141,7 +141,7 @@ class EmbeddingAdam(OptimizerBase):
         ema_overwrite_frequency=None,
         loss_scale_factor=None,
         gradient_accumulation_steps=None,
-        name="embedding_adam",
+        name=None,
         **kwargs,
     ):
         # Validate everything before the base class creates variables.
@@ -211,7 +211,8 @@ class EmbeddingAdam(OptimizerBase):
         self.weight_decay_factor = weight_decay_factor
         self.multiply_weight_decay_factor_by_learning_rate = multiply_weight_decay_factor_by_learning_rate
         self.slot_variable_creation_fn = slot_variable_creation_fn
-        self.gradient_clipvalue = clipvalue
+        # Keras's attribute, as given; applied per row (`_clip_gradients` leaves it alone).
+        self.clipvalue = clipvalue
         self._gradient_clip = gradient_clip
         self.low_dimensional_packing_status = low_dimensional_packing_status
         self.max_touched_rows = max_touched_rows
@@ -240,6 +241,15 @@ class EmbeddingAdam(OptimizerBase):
             if not _private.is_tracked(self, slot):
                 _private.track_variable(self, slot)
         return tuple(slots[name] for name in SLOT_NAMES)
+
+    def _clip_gradients(self, grads):
+        # Keras's clipnorm/global_clipnorm only: clipvalue acts in the row update,
+        # per row after duplicate ids are summed, and only on touched rows.
+        clipvalue, self.clipvalue = self.clipvalue, None
+        try:
+            return super()._clip_gradients(grads)
+        finally:
+            self.clipvalue = clipvalue
 
     def _apply_weight_decay(self, variables):
         # Keras's decay would touch every row every step; ours is lazy (update_step).
@@ -307,9 +317,7 @@ class EmbeddingAdam(OptimizerBase):
                     "slot_variable_creation_fn", self.slot_variable_creation_fn
                 ),
                 "clipvalue": (
-                    list(self.gradient_clipvalue)
-                    if isinstance(self.gradient_clipvalue, (tuple, list))
-                    else self.gradient_clipvalue
+                    list(self.clipvalue) if isinstance(self.clipvalue, (tuple, list)) else self.clipvalue
                 ),
                 "low_dimensional_packing_status": self.low_dimensional_packing_status,
                 "max_touched_rows": self.max_touched_rows,

@@ -131,3 +131,14 @@ def test_keras_weight_decay_hook_is_the_one_embedding_adam_overrides():
     optimizer.apply([gradient], [table])
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(table)[1:], 1.0)
     assert np.all(keras.ops.convert_to_numpy(table)[0] < 1.0)
+
+
+def test_keras_gradient_clipping_hook_is_the_one_embedding_adam_overrides():
+    """EmbeddingAdam keeps Keras's clipnorm but moves clipvalue into the row update."""
+    assert callable(getattr(keras.optimizers.Optimizer, "_clip_gradients", None))
+    assert "_clip_gradients" in vars(kto.EmbeddingAdam)
+    optimizer = kto.EmbeddingAdam(clipvalue=0.1, clipnorm=1.0)
+    assert optimizer.clipvalue == 0.1
+    gradient = keras.ops.convert_to_tensor(np.array([[3.0, 4.0], [0.0, 0.0]], np.float32))
+    (clipped,) = optimizer._clip_gradients([gradient])
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(clipped), [[0.6, 0.8], [0.0, 0.0]], rtol=1e-6)
