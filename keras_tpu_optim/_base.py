@@ -220,14 +220,6 @@ class OptimizerBase(keras.optimizers.Optimizer):
                     stacklevel=2,
                 )
             return
-        if not self.built:
-            warnings.warn(
-                f"Skipping variable loading for optimizer '{self.name}', because it has not "
-                "been called/built yet. Build it (optimizer.build(model.trainable_variables)) "
-                "before loading to restore its state.",
-                stacklevel=2,
-            )
-            return
         this_class = keras.saving.get_registered_name(type(self))
         if signature["class"] != this_class:
             warnings.warn(
@@ -238,6 +230,16 @@ class OptimizerBase(keras.optimizers.Optimizer):
             return
         current = _saving.describe_state(self)
         pairs, differences = _saving.match_variables(signature, current)
+        if differences and not self.built:
+            # Saved slots, none here yet. (State without slots, e.g. an unbuilt optimizer's
+            # iterations, loads as Keras's does.)
+            warnings.warn(
+                f"Skipping variable loading for optimizer '{self.name}', because it has not "
+                "been called/built yet. Build it (optimizer.build(model.trainable_variables)) "
+                "before loading to restore its state.",
+                stacklevel=2,
+            )
+            return
         if differences:
             raise _saving.mismatch_error(self, signature, current, differences)
         variables = self.variables
