@@ -299,3 +299,25 @@ def test_keras_adam_refuses_our_state_the_keras_way(tmp_path):
         target.load_weights(str(tmp_path / "m.weights.h5"))
     assert any("Skipping variable loading" in str(w.message) for w in caught)
     assert int(target.optimizer.iterations) == 0
+
+
+@pytest.mark.parametrize("cls", [kto.Adafactor, kto.EmbeddingAdam])
+def test_unbuilt_optimizer_pickles_silently_as_keras_does(cls):
+    """Keras's own optimizers restore an unbuilt optimizer's iterations and learning rate silently."""
+    import pickle
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        restored = pickle.loads(pickle.dumps(cls(learning_rate=0.02)))
+    assert type(restored) is cls
+    assert float(keras.ops.convert_to_numpy(restored.learning_rate)) == pytest.approx(0.02)
+
+
+def test_saved_slots_into_an_unbuilt_optimizer_warn_and_change_nothing():
+    model = _trained("mlp", kto.Adafactor(learning_rate=0.01))
+    store = {}
+    model.optimizer.save_own_variables(store)
+    fresh = kto.Adafactor(learning_rate=0.01)
+    with pytest.warns(UserWarning, match="not been called/built yet"):
+        fresh.load_own_variables(store)
+    assert int(keras.ops.convert_to_numpy(fresh.iterations)) == 0
