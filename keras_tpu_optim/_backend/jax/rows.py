@@ -143,10 +143,35 @@ def sparse_row_update(update_rows, gradient, variable, slots, *, accumulate_dupl
 
     `update_rows(grad_rows, weight_rows, *slot_rows)` returns the new
     `(weight_rows, *slot_rows)`. Ids outside the table (BCOO's padding) are
-    dropped.
+    dropped. Every entry keeps its place and carries its id's row, so
+    duplicates write identical values.
     """
-    ids, rows = grouped_rows(*row_entries(gradient), accumulate_duplicates)
-    tables = (variable.value, *(s.value for s in slots))
-    new_rows = update_rows(rows, *(t.at[ids].get(mode="clip") for t in tables))
-    for target, table, new in zip((variable, *slots), tables, new_rows):
+    ids, rows = row_entries(gradient)
+    targets = (variable, *slots)
+    tables = [t.value for t in targets]
+    accumulator = _accumulator(tables) if accumulate_duplicates else None
+    if accumulator is None:
+        ids, rows = grouped_rows(ids, rows, accumulate_duplicates)
+        old_rows = [t.at[ids].get(mode="clip") for t in tables]
+    else:
+        # Duplicates summed in the accumulator's touched rows, without sorting the ids:
+        # zeroed (from the old rows, so a non-finite row does not leak in), scatter-added,
+        # gathered back; the update then overwrites those rows.
+        old_rows = [t.at[ids].get(mode="clip") for t in tables]
+        old = old_rows[accumulator]
+        zeros = jnp.where(jnp.isfinite(old), old * 0, jnp.zeros_like(old))
+        summed = tables[accumulator].at[ids].set(zeros, mode="drop")
+        summed = summed.at[ids].add(rows.astype(summed.dtype), mode="drop")
+        tables[accumulator] = summed
+        rows = summed.at[ids].get(mode="clip")
+    new_rows = update_rows(rows, *old_rows)
+    for target, table, new in zip(targets, tables, new_rows):
         target.assign(table.at[ids].set(new.astype(table.dtype), mode="drop"))
+
+
+def _accumulator(tables):
+    """The index of a float32 slot table of the table's shape, to sum duplicate rows in, or None."""
+    for i, table in enumerate(tables[1:], start=1):
+        if table.dtype == jnp.float32 and table.shape == tables[0].shape:
+            return i
+    return None
