@@ -6,7 +6,6 @@ for host-device synchronisations (none allowed) and for its scratch memory.
 
 from __future__ import annotations
 
-import types
 import weakref
 
 import keras
@@ -24,6 +23,7 @@ if BACKEND != "torch":
 torch = pytest.importorskip("torch")
 
 from keras_tpu_optim._backend.torch import adafactor  # noqa: E402
+from keras_tpu_optim._math.adafactor import AdafactorOptions  # noqa: E402
 from reference.numpy_adafactor import NumpyAdafactor  # noqa: E402  (tests/ is on pythonpath)
 
 SHAPES = [(3,), (37, 5), (2, 16, 3), (1, 7)]
@@ -38,8 +38,9 @@ NUMPY_DTYPES = {"float32": np.dtype("float32"), "bfloat16": np.dtype(ml_dtypes.b
 SYNC_METHODS = ("item", "__float__", "__int__", "__bool__", "tolist", "numpy", "cpu")
 
 
-def make_options(reference: NumpyAdafactor):
-    return types.SimpleNamespace(
+def make_options(reference: NumpyAdafactor, **extra):
+    """The optimizer's options object for the reference's settings (`extra`: options the reference lacks)."""
+    return AdafactorOptions(
         beta_2_decay=reference.beta_2_decay,
         epsilon_1=reference.epsilon_1,
         epsilon_2=reference.epsilon_2,
@@ -47,6 +48,9 @@ def make_options(reference: NumpyAdafactor):
         relative_step=reference.relative_step,
         multiply_by_parameter_scale=reference.multiply_by_parameter_scale,
         beta_1=reference.beta_1,
+        decay_offset=reference.decay_offset,
+        beta_2_cap=reference.beta_2_cap,
+        **extra,
     )
 
 
@@ -78,17 +82,21 @@ def to_float64(t):
     return t.to(torch.float32).numpy().astype(np.float64)
 
 
+@pytest.mark.parametrize(
+    "schedule", [{}, dict(decay_offset=2, beta_2_cap=0.6)], ids=["keras_decay", "offset_and_cap"]
+)
 @pytest.mark.parametrize("multiply_by_parameter_scale", [True, False], ids=["param_scale", "no_param_scale"])
 @pytest.mark.parametrize("relative_step", [True, False], ids=["relative", "absolute"])
 @pytest.mark.parametrize("beta_1", [None, 0.9], ids=["no_momentum", "momentum"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_matches_numpy_reference(dtype, beta_1, relative_step, multiply_by_parameter_scale):
+def test_matches_numpy_reference(dtype, beta_1, relative_step, multiply_by_parameter_scale, schedule):
     # lr 0.5 is above the relative-step cap 1/sqrt(t) from t = 5.
     reference = NumpyAdafactor(
         learning_rate=0.5,
         relative_step=relative_step,
         beta_1=beta_1,
         multiply_by_parameter_scale=multiply_by_parameter_scale,
+        **schedule,
     )
     options = make_options(reference)
     inits, grads = make_data(SHAPES, STEPS)

@@ -84,6 +84,7 @@ def adafactor_step(optimizer, gradient, variable, learning_rate):
         step=ops.convert_to_tensor(optimizer.iterations) + 1,
         options=optimizer.options,
         scratch=scratch_of(optimizer),
+        variable_index=_private.variable_index(optimizer, variable),
     )
 
 
