@@ -24,6 +24,7 @@ _M2 = 0xC2B2AE35 - (1 << 32)
 _GOLDEN = 0x9E3779B9 - (1 << 32)
 _STEP_SALT = 0x68E31DA4
 _VARIABLE_SALT = 0x1B56C4E9
+_ELEMENT_SALT = 0x5BD1E995
 
 SEED_LIMIT = 1 << 31  # seeds are ints in [0, 2^31)
 
@@ -61,7 +62,9 @@ def random_bits(shape, seed, step, variable_index):
         size *= int(dim)
     index = ops.reshape(ops.arange(size, dtype="int32"), tuple(int(d) for d in shape))
     h = _mix(ops.add(ops.multiply(index, _int32(_GOLDEN)), key))
-    return _mix(ops.bitwise_xor(h, _mix(ops.add(key, _int32(_GOLDEN)))))
+    # A second round keyed apart from the first (with `key + _GOLDEN` here,
+    # element 1 would cancel to 0 under every key).
+    return _mix(ops.bitwise_xor(h, _mix(ops.bitwise_xor(key, _int32(_ELEMENT_SALT)))))
 
 
 def _round_low_bits(x, bits, dropped: int):
@@ -82,7 +85,7 @@ def stochastic_round(x, dtype, *, seed, step, variable_index, shape=None):
     """float32 `x` rounded stochastically and without bias to `dtype` (`bfloat16`, `float16`).
 
     Every result is one of the two `dtype` values nearest `x` (`x` itself if
-    representable); NaN and infinities pass through. Values beyond `dtype`'s
+    representable); infinities pass through, NaN stays NaN. Values beyond `dtype`'s
     largest finite value may round to infinity, as with round-to-nearest.
     float16's subnormal range (`|x| < 2^-14`, spacing 2^-24) is rounded by
     arithmetic on `|x| * 2^24`, unbiased for every `x` that is a multiple of
@@ -105,5 +108,6 @@ def stochastic_round(x, dtype, *, seed, step, variable_index, shape=None):
         uniform = ops.cast(_shift_right_logical(bits, 8), "float32") * 2.0**-24
         magnitude = (whole + ops.cast(uniform < scaled - whole, "float32")) * 2.0**-24
         subnormal = ops.where(x < 0, -magnitude, magnitude)
+        subnormal = ops.where(x == 0, x, subnormal)  # -0 stays -0
         rounded = ops.where(ops.abs(x) < 2.0**-14, subnormal, normal)
     return ops.cast(ops.where(ops.isfinite(x), rounded, x), dtype)
