@@ -260,3 +260,70 @@ def test_resumed_run_is_bit_exact():
     second.load_own_variables(store)
     resumed = _values(_train("bfloat16", 3, second, weight=weight))
     np.testing.assert_array_equal(resumed, straight)
+
+
+# --------------------------------------------------------------------------- compiled and sharded
+
+SR_KWARGS = dict(learning_rate=1e-3, relative_step=False, stochastic_rounding=True, seed=3)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason=f"jax.jit needs the JAX backend; this run is {BACKEND}")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_jax_jit_stateless_apply_gives_the_eager_bits(dtype):
+    import jax
+
+    eager = _values(_train(dtype, 4, kto.Adafactor(**SR_KWARGS)))
+    inputs, targets, init = _regression_problem()
+    optimizer = kto.Adafactor(**SR_KWARGS)
+    weight = keras.Variable(init, dtype=dtype, name="w")
+    optimizer.build([weight])
+    optimizer_values = [v.value for v in optimizer.variables]
+    (w,) = [weight.value]
+    step = jax.jit(optimizer.stateless_apply)
+    for _ in range(4):
+        grad = inputs.T @ (inputs @ np.asarray(w, np.float32) - targets) / 64.0
+        (w,), optimizer_values = step(optimizer_values, [ops.cast(grad, dtype)], [w])
+    assert step._cache_size() == 1, "retraced: the step must be a traced value"
+    np.testing.assert_array_equal(np.asarray(w, np.float64), eager)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason=f"jit_compile needs the TF backend; this run is {BACKEND}")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_tf_jit_compile_gives_the_eager_bits(dtype):
+    import tensorflow as tf
+
+    eager = _values(_train(dtype, 4, kto.Adafactor(**SR_KWARGS)))
+    inputs, targets, init = _regression_problem()
+    optimizer = kto.Adafactor(**SR_KWARGS)
+    weight = keras.Variable(init, dtype=dtype, name="w")
+    optimizer.build([weight])
+
+    @tf.function(jit_compile=True)
+    def train_step():
+        w = tf.cast(weight.value, tf.float32)
+        grad = tf.matmul(inputs, tf.matmul(inputs, w) - targets, transpose_a=True) / 64.0
+        optimizer.apply([tf.cast(grad, dtype)], [weight])
+
+    for _ in range(4):
+        train_step()
+    np.testing.assert_array_equal(_values(weight), eager)
+
+
+def test_jax_sharded_variable_gives_the_single_device_bits():
+    """Under `keras.distribution.ModelParallel` (8 virtual CPU devices) the element index is the
+    global one: the same bits as on one device."""
+    if BACKEND != "jax":
+        pytest.skip(f"keras.distribution runs on the JAX backend; this run is {BACKEND}")
+    if len(keras.distribution.list_devices()) < 8:
+        pytest.skip("needs 8 JAX devices: XLA_FLAGS=--xla_force_host_platform_device_count=8")
+    single = _values(_train("bfloat16", 3, kto.Adafactor(**SR_KWARGS)))
+    mesh = keras.distribution.DeviceMesh((2, 4), ("batch", "model"), keras.distribution.list_devices())
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["w"] = (None, "model")
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    try:
+        weight = _train("bfloat16", 3, kto.Adafactor(**SR_KWARGS))
+        assert tuple(weight.value.sharding.spec) == (None, "model")
+        np.testing.assert_array_equal(_values(weight), single)
+    finally:
+        keras.distribution.set_distribution(None)
