@@ -40,7 +40,7 @@ SYNC_METHODS = ("item", "__float__", "__int__", "__bool__", "tolist", "numpy", "
 
 def make_options(reference: NumpyAdafactor, **extra):
     """The optimizer's options object for the reference's settings (`extra`: options the reference lacks)."""
-    return AdafactorOptions(
+    settings = dict(
         beta_2_decay=reference.beta_2_decay,
         epsilon_1=reference.epsilon_1,
         epsilon_2=reference.epsilon_2,
@@ -50,14 +50,19 @@ def make_options(reference: NumpyAdafactor, **extra):
         beta_1=reference.beta_1,
         decay_offset=reference.decay_offset,
         beta_2_cap=reference.beta_2_cap,
-        **extra,
     )
+    return AdafactorOptions(**{**settings, **extra})
 
 
-def make_state(shape, beta_1):
-    """Zero slots, as the optimizer builds them: factored for rank >= 2."""
+def make_state(shape, beta_1, options=None):
+    """Zero slots, as the optimizer builds them: factored for rank >= 2 (over `options.factored_axes`)."""
+    axes = (len(shape) - 2, len(shape) - 1) if options is None else options.factored_axes(shape)
     if len(shape) >= 2:
-        slots = (torch.zeros(shape[:-1]), torch.zeros(shape[:-2] + shape[-1:]))
+        a, b = axes
+        slots = (
+            torch.zeros([d for i, d in enumerate(shape) if i != b]),
+            torch.zeros([d for i, d in enumerate(shape) if i != a]),
+        )
     else:
         slots = (torch.zeros(shape),)
     return slots, None if beta_1 is None else torch.zeros(shape)
@@ -195,15 +200,20 @@ def sync_counter(monkeypatch):
     return counts
 
 
-def test_no_host_device_synchronisation(sync_counter):
+@pytest.mark.parametrize(
+    "extra",
+    [{}, dict(factored_dims="two_largest", decay_offset=1, beta_2_cap=0.9, stochastic_rounding=True)],
+    ids=["default", "options"],
+)
+def test_no_host_device_synchronisation(sync_counter, extra):
     shapes = [(3,), (37, 5), (2, 16, 3), (1, 7), (), (64,), (8, 8), (128, 16), (3, 4, 5), (16, 1)] * 2
     rng = np.random.default_rng(1)
-    options = make_options(NumpyAdafactor(beta_1=0.9))
+    options = make_options(NumpyAdafactor(beta_1=0.9), **extra)
     # Half bf16: the low-precision path (copy into the scratch, one rounding) syncs no more.
     dtypes = ["float32", "bfloat16"] * 10
     params = [to_torch(rng.normal(size=s), d) for s, d in zip(shapes, dtypes)]
     grads = [to_torch(rng.normal(size=s), d) for s, d in zip(shapes, dtypes)]
-    states = [make_state(s, 0.9) for s in shapes]
+    states = [make_state(s, 0.9, options) for s in shapes]
     learning_rate = torch.tensor(0.01)
     scratch = adafactor.Scratch()
     for t in range(3):
