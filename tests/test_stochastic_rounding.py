@@ -211,9 +211,9 @@ def _values(variable):
 
 
 def test_bf16_training_tracks_float32_closer_than_round_to_nearest():
-    """Measured (all three backends alike, 150 steps, lr 1e-3): the bf16 weights' RMS distance from the
-    float32 run is ~0.12 rounding to nearest (updates below half a bf16 unit are lost) and ~0.01
-    rounding stochastically."""
+    """Measured (TF, JAX and torch alike; 150 steps, lr 1e-3, the float32 weights move by RMS 0.158): the
+    bf16 weights' RMS distance from the float32 run is 0.131 rounding to nearest (updates below half
+    a bf16 unit are lost) and 0.020 rounding stochastically."""
     steps = 150
     kwargs = dict(learning_rate=1e-3, relative_step=False)
     reference = _values(_train("float32", steps, kto.Adafactor(**kwargs)))
