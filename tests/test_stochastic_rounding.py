@@ -10,10 +10,10 @@ its float32 run closer than with round-to-nearest, and a resumed run is exact.
 
 from __future__ import annotations
 
+import keras
 import ml_dtypes
 import numpy as np
 import pytest
-import keras
 from keras import ops
 
 import keras_tpu_optim as kto
@@ -81,8 +81,7 @@ def neighbours(x, dtype):
         np.asarray((codes + d) & 0xFFFF, np.uint16).view(NUMPY_DTYPES[dtype]).astype(np.float64) for d in (-1, 0, 1)
     ]
     candidates += [np.zeros_like(candidates[0])]  # across zero, -0/+0
-    stack = np.stack(candidates)
-    stack = np.where(np.isnan(stack), np.nan, stack)
+    stack = np.stack(candidates)  # NaN candidates (bit neighbours of inf) compare False: never chosen
     below = np.where(stack <= x, stack, -np.inf).max(axis=0)
     above = np.where(stack >= x, stack, np.inf).min(axis=0)
     return below, above
