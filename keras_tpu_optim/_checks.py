@@ -48,6 +48,15 @@ def check_bool(name: str, value, allow_none=False):
     return value
 
 
+def check_choice(name: str, value, choices):
+    """Raise a ValueError naming `name` unless `value` is one of the strings `choices`."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(
+            f"Argument `{name}` must be one of {', '.join(repr(c) for c in choices)}. Received: {name}={value!r}"
+        )
+    return value
+
+
 def serialize_callable(argument: str, fn):
     """A callable argument as its registered name, so configs load with `safe_mode=True`.
 

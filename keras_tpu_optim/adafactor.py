@@ -30,7 +30,7 @@ class Adafactor(OptimizerBase):
     rho_t   = min(lr, 1/sqrt(t)) if relative_step else lr
     alpha_t = max(epsilon_2, RMS(x)) * rho_t      (rho_t if not multiply_by_parameter_scale)
     G2      = g^2 + epsilon_1
-    beta2_t = 1 - t^beta_2_decay
+    beta2_t = min(1 - (t - decay_offset)^beta_2_decay, beta_2_cap)
     factored:   R = beta2_t R + (1 - beta2_t) mean(G2, -1)
                 C = beta2_t C + (1 - beta2_t) mean(G2, -2)
                 u = g * rsqrt(R / mean(R, -1))[..., :, None] * rsqrt(C)[..., None, :]
@@ -40,11 +40,16 @@ class Adafactor(OptimizerBase):
     otherwise:  x -= delta
     ```
 
+    (Factored over the last two axes, as shown, or the two largest with
+    `factored_dims="two_largest"`; a bfloat16/float16 `x` is rounded once,
+    to nearest or stochastically.)
+
     (docs/algorithms.md#adafactor has the details.) Differences from
     `keras.optimizers.Adafactor`: `relative_step=False` turns the `1/sqrt(t)`
     cap off (Keras 3 ignores the flag), and the options `beta_1`,
-    `min_dim_size_to_factor` and `multiply_by_parameter_scale` (defaults keep
-    Keras's behaviour).
+    `min_dim_size_to_factor`, `multiply_by_parameter_scale`, `factored_dims`,
+    `decay_offset`, `beta_2_cap`, `momentum_dtype`, `stochastic_rounding` and
+    `seed` (defaults keep Keras's behaviour).
 
     Args:
         learning_rate: A float, a `keras.optimizers.schedules.LearningRateSchedule`
@@ -71,6 +76,30 @@ class Adafactor(OptimizerBase):
             (factor every variable of rank >= 2, as Keras does).
         multiply_by_parameter_scale: bool. If True, the step size is scaled by
             `max(epsilon_2, RMS(variable))`. Defaults to `True`.
+        factored_dims: `"last_two"` or `"two_largest"`: the axes a variable
+            is factored over. `"two_largest"` factors over its two largest
+            dimensions, as `optax.scale_by_factored_rms` (same tie-breaking;
+            `min_dim_size_to_factor` applies to the smaller of the two); the
+            row statistics are the variable's shape without its largest
+            dimension, the column statistics without the second largest.
+            Defaults to `"last_two"` (Keras's).
+        decay_offset: int >= 0. The second-moment decay uses step
+            `t - decay_offset` (floored at 1), as optax's `decay_offset`: for
+            fine-tuning from a checkpoint whose `iterations` carry on.
+            Defaults to `0`.
+        beta_2_cap: float in [0, 1] or None. If set,
+            `beta2_t = min(1 - t^beta_2_decay, beta_2_cap)` (big_vision's
+            `beta2_cap`), so the statistics never freeze. Defaults to `None`.
+        momentum_dtype: `"float32"` or `"bfloat16"`: the dtype of the
+            `beta_1` momentum slot (arithmetic stays float32; a bfloat16
+            slot is stored rounded to nearest). Defaults to `"float32"`.
+        stochastic_rounding: bool. If True, a bfloat16/float16 variable's
+            float32 result is rounded to its dtype stochastically and without
+            bias (float32 variables are unaffected), with random bits hashed
+            from `(seed, step, variable index, element index)`: the same bits
+            on every backend, nothing to save but the seed. Defaults to
+            `False` (round to nearest).
+        seed: int in [0, 2^31), the seed of stochastic rounding. Defaults to `0`.
         {{base_optimizer_keyword_args}}
 
     Reference:
@@ -88,6 +117,12 @@ class Adafactor(OptimizerBase):
         beta_1=None,
         min_dim_size_to_factor=None,
         multiply_by_parameter_scale=True,
+        factored_dims="last_two",
+        decay_offset=0,
+        beta_2_cap=None,
+        momentum_dtype="float32",
+        stochastic_rounding=False,
+        seed=0,
         weight_decay=None,
         clipnorm=None,
         clipvalue=None,
@@ -109,6 +144,12 @@ class Adafactor(OptimizerBase):
             beta_1=beta_1,
             min_dim_size_to_factor=min_dim_size_to_factor,
             multiply_by_parameter_scale=multiply_by_parameter_scale,
+            factored_dims=factored_dims,
+            decay_offset=decay_offset,
+            beta_2_cap=beta_2_cap,
+            momentum_dtype=momentum_dtype,
+            stochastic_rounding=stochastic_rounding,
+            seed=seed,
         )
         super().__init__(
             learning_rate=learning_rate,
@@ -137,16 +178,24 @@ class Adafactor(OptimizerBase):
         return self.options.is_factored(shape)
 
     def make_state(self, variable) -> VariableState:
-        """Row and column statistics (factored) or a full `v` (unfactored), and the momentum if `beta_1`."""
+        """Row and column statistics (factored) or a full `v` (unfactored), and the momentum if `beta_1`.
+
+        A variable factored over axes `(a, b)` (`options.factored_axes`) keeps
+        row statistics without axis `b` and column statistics without axis `a`.
+        """
         rank = len(variable.shape)
-        if self.options.is_factored(variable.shape):
+        axes = self.options.factored_axes(variable.shape)
+        if axes is not None:
+            a, b = axes
             slots = (
-                _slots.add_slot(self, variable, "row_second_moment", kept_axes=range(rank - 1)),
-                _slots.add_slot(self, variable, "column_second_moment", kept_axes=[*range(rank - 2), rank - 1]),
+                _slots.add_slot(self, variable, "row_second_moment", kept_axes=[i for i in range(rank) if i != b]),
+                _slots.add_slot(self, variable, "column_second_moment", kept_axes=[i for i in range(rank) if i != a]),
             )
         else:
             slots = (_slots.add_slot(self, variable, "second_moment"),)
-        momentum = None if self.options.beta_1 is None else _slots.add_slot(self, variable, "momentum")
+        momentum = None
+        if self.options.beta_1 is not None:
+            momentum = _slots.add_slot(self, variable, "momentum", dtype=self.options.momentum_dtype)
         return VariableState(slots, momentum)
 
     def update_step(self, gradient, variable, learning_rate):

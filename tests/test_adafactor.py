@@ -148,6 +148,11 @@ OPTION_CASES = {
     "hyperparameters_with_parameter_scale": dict(
         learning_rate=0.2, beta_2_decay=-0.6, epsilon_2=0.5, clip_threshold=2.0, min_dim_size_to_factor=2
     ),
+    # big_vision's cap: 1 - t^-0.8 exceeds 0.5 from t = 3 on.
+    "beta_2_cap_0.5": dict(learning_rate=0.05, beta_2_cap=0.5),
+    "beta_2_cap_with_options": dict(learning_rate=0.2, beta_2_cap=0.7, beta_1=0.5, min_dim_size_to_factor=3),
+    # Floored at t = 1 until the offset is passed (10 steps: 7 of them past it).
+    "decay_offset_3": dict(learning_rate=0.05, decay_offset=3),
 }
 
 # The same runs with the option switched back to Keras's behaviour: each option must matter.
@@ -160,6 +165,9 @@ OPTION_BASELINES = {
     "no_parameter_scale": dict(learning_rate=0.05),
     "all_options": dict(learning_rate=0.2),
     "hyperparameters_with_parameter_scale": dict(learning_rate=0.2),
+    "beta_2_cap_0.5": dict(learning_rate=0.05),
+    "beta_2_cap_with_options": dict(learning_rate=0.2, beta_1=0.5, min_dim_size_to_factor=3),
+    "decay_offset_3": dict(learning_rate=0.05),
 }
 
 
@@ -174,6 +182,116 @@ def test_options_match_numpy_reference(case):
     baseline = OPTION_BASELINES[case]
     if baseline is not None:
         assert_histories_differ(expected, run_numpy(NumpyAdafactor(**baseline), inits, grads))
+
+
+# --------------------------------------------------------------------------- against optax
+
+# Rank 2 to 4 with the two largest axes not the last two (and ties: optax's argsort
+# puts the later of equal axes last), a vector, a matrix too small to factor at
+# min_dim_size_to_factor=3, and a plain last-two matrix.
+OPTAX_SHAPES = [(8, 3), (7, 2, 5), (5, 3, 8), (6, 6, 2), (2, 9, 3, 4), (3, 5, 5, 2), (5,), (9, 2, 1), (3, 4)]
+OPTAX_CASES = {
+    "two_largest": dict(factored_dims="two_largest"),
+    "two_largest_decay_offset": dict(factored_dims="two_largest", decay_offset=4),
+    "two_largest_bf16_momentum": dict(factored_dims="two_largest", beta_1=0.9, momentum_dtype="bfloat16"),
+    "two_largest_decay_offset_momentum": dict(factored_dims="two_largest", decay_offset=2, beta_1=0.8),
+}
+
+
+def _optax_adafactor(kwargs, learning_rate):
+    optax = pytest.importorskip("optax")
+    import jax.numpy as jnp
+
+    return optax.adafactor(
+        learning_rate=learning_rate,
+        min_dim_size_to_factor=3,
+        decay_rate=0.8,
+        decay_offset=kwargs.get("decay_offset", 0),
+        multiply_by_parameter_scale=True,
+        clipping_threshold=1.0,
+        momentum=kwargs.get("beta_1"),
+        dtype_momentum=jnp.bfloat16 if kwargs.get("momentum_dtype") == "bfloat16" else jnp.float32,
+        eps=1e-30,
+        factored=True,
+    )
+
+
+@pytest.mark.parametrize("case", list(OPTAX_CASES))
+def test_factored_dims_decay_offset_momentum_dtype_match_optax(case):
+    """`optax.adafactor` (`scale_by_factored_rms`, `ema`) with the same settings: parameters, statistics
+    (values and shapes), momentum (values and dtype).
+
+    optax counts steps from its state's `count`; both start at iterations 6, so
+    that a `decay_offset` of 4 is passed as optax expects (before it, optax's
+    schedule is not finite).
+    """
+    import jax.numpy as jnp
+
+    kwargs = OPTAX_CASES[case]
+    learning_rate, start = 0.05, 6
+    # A bfloat16 momentum (up to ~0.3 here, unfactored) is stored to 2^-9 relative: a
+    # rounding that falls the other way than optax's moves a parameter by up to ~1e-3, once a step.
+    atol = 5e-3 if kwargs.get("momentum_dtype") == "bfloat16" else 1e-6
+    inits, grads = make_data(OPTAX_SHAPES, steps=8, seed=11)
+    tx = _optax_adafactor(kwargs, learning_rate)
+    params = [jnp.asarray(x) for x in inits]
+    state = tx.init(params)
+    state = (state[0]._replace(count=jnp.asarray(start, jnp.int32)), *state[1:])
+    optimizer = kto.Adafactor(
+        learning_rate=learning_rate, relative_step=False, min_dim_size_to_factor=3, **kwargs
+    )
+    variables = make_variables(inits)
+    optimizer.build(variables)
+    optimizer.iterations.assign(start)
+    for step, step_grads in enumerate(grads, start=1):
+        updates, state = tx.update([jnp.asarray(g) for g in step_grads], state, params)
+        params = [p + u for p, u in zip(params, updates)]
+        optimizer.apply(to_tensors(step_grads), variables)
+        for i, (ours, theirs) in enumerate(zip(variables, params)):
+            np.testing.assert_allclose(
+                to_float64(ours), np.asarray(theirs, np.float64), rtol=2e-4, atol=atol,
+                err_msg=f"step {step}, variable {i} of shape {OPTAX_SHAPES[i]}",
+            )
+    assert_moved([[np.asarray(p, np.float64) for p in params]], inits)
+    factored = state[0]
+    for i, variable in enumerate(variables):
+        slots = optimizer.state_of(variable).slots
+        if len(slots) == 2:
+            expected = (factored.v_row[i], factored.v_col[i])
+        else:
+            expected = (factored.v[i],)
+            assert factored.v_row[i].shape == (1,), f"optax factors variable {i}; we do not"
+        for slot, want in zip(slots, expected):
+            assert tuple(slot.shape) == want.shape, f"variable {i} of shape {OPTAX_SHAPES[i]}"
+            np.testing.assert_allclose(to_float64(slot), np.asarray(want, np.float64), rtol=2e-4, err_msg=f"{i}")
+    if "beta_1" in kwargs:
+        ema = next(s for s in state if hasattr(s, "ema")).ema
+        for i, (variable, want) in enumerate(zip(variables, ema)):
+            momentum = optimizer.state_of(variable).momentum
+            assert keras.backend.standardize_dtype(momentum.dtype) == kwargs.get("momentum_dtype", "float32")
+            assert np.dtype(want.dtype) == numpy_dtype(kwargs.get("momentum_dtype", "float32"))
+            np.testing.assert_allclose(
+                to_float64(momentum), np.asarray(want, np.float64), rtol=1e-2, atol=atol / 10, err_msg=f"momentum {i}"
+            )
+
+
+def test_two_largest_slot_shapes_follow_optax_rule():
+    """Which axes are factored, ties and `min_dim_size_to_factor` included, as optax's `_factored_dims`."""
+    factorized = pytest.importorskip("optax._src.factorized")
+    shapes = [(8, 3), (3, 8), (4, 4), (4, 4, 4), (8, 4, 8), (2, 9, 3, 4), (1, 7), (2, 2, 3), (6, 1, 6), (5,)]
+    for min_dim in (None, 1, 3, 5):
+        optimizer = kto.Adafactor(factored_dims="two_largest", min_dim_size_to_factor=min_dim)
+        variables = make_variables([np.zeros(s, "float32") for s in shapes])
+        optimizer.build(variables)
+        for shape, variable in zip(shapes, variables):
+            dims = factorized._factored_dims(shape, True, 0 if min_dim is None else min_dim)
+            slots = optimizer.state_of(variable).slots
+            if dims is None:
+                assert [tuple(s.shape) for s in slots] == [shape], (shape, min_dim)
+                continue
+            second, largest = dims
+            without = lambda axis: tuple(d for i, d in enumerate(shape) if i != axis)  # noqa: E731
+            assert [tuple(s.shape) for s in slots] == [without(largest), without(second)], (shape, min_dim)
 
 
 @pytest.mark.parametrize(
@@ -480,6 +598,8 @@ SERIALIZED_KWARGS = dict(
     beta_1=0.8,
     min_dim_size_to_factor=3,
     multiply_by_parameter_scale=False,
+    decay_offset=1,
+    beta_2_cap=0.9,
     weight_decay=0.05,
 )
 
@@ -511,6 +631,12 @@ def test_config_round_trip_and_deserialized_numbers():
         assert_histories_close(history, expected)
 
 
+def test_config_round_trip_of_layout_and_rounding_options():
+    kwargs = dict(factored_dims="two_largest", momentum_dtype="bfloat16", beta_1=0.9, stochastic_rounding=True, seed=7)
+    for opt in _check_round_trip(kto.Adafactor(**kwargs), kwargs):
+        assert opt.options == kto.Adafactor(**kwargs).options
+
+
 def test_config_round_trip_with_schedule():
     kwargs = dict(SERIALIZED_KWARGS, learning_rate=_schedule())
     restored, deserialized = _check_round_trip(kto.Adafactor(**kwargs), {})
@@ -533,6 +659,12 @@ def test_default_config_has_keras_keys_and_defaults():
     assert ours["beta_1"] is None
     assert ours["min_dim_size_to_factor"] is None
     assert ours["multiply_by_parameter_scale"] is True
+    assert ours["factored_dims"] == "last_two"
+    assert ours["decay_offset"] == 0
+    assert ours["beta_2_cap"] is None
+    assert ours["momentum_dtype"] == "float32"
+    assert ours["stochastic_rounding"] is False
+    assert ours["seed"] == 0
 
 
 # --------------------------------------------------------------------------- validation
@@ -554,6 +686,23 @@ INVALID_HYPERPARAMETERS = [
     ("relative_step", "yes"),
     ("relative_step", None),
     ("multiply_by_parameter_scale", 0),
+    ("factored_dims", "largest"),
+    ("factored_dims", None),
+    ("factored_dims", 2),
+    ("decay_offset", -1),
+    ("decay_offset", 1.5),
+    ("decay_offset", None),
+    ("beta_2_cap", -0.1),
+    ("beta_2_cap", 1.5),
+    ("beta_2_cap", "0.9"),
+    ("momentum_dtype", "float16"),
+    ("momentum_dtype", None),
+    ("stochastic_rounding", 1),
+    ("stochastic_rounding", None),
+    ("seed", -1),
+    ("seed", 2**31),
+    ("seed", 1.0),
+    ("seed", None),
 ]
 
 
@@ -567,3 +716,5 @@ def test_invalid_hyperparameters_raise_value_error_naming_them():
 
 def test_boundary_hyperparameters_are_accepted():
     kto.Adafactor(beta_1=0.0, epsilon_2=0.0, min_dim_size_to_factor=1, beta_2_decay=-1.0, relative_step=False)
+    kto.Adafactor(beta_2_cap=0.0, decay_offset=0, seed=0, momentum_dtype="float32", factored_dims="last_two")
+    kto.Adafactor(beta_2_cap=1.0, seed=2**31 - 1, momentum_dtype="bfloat16", stochastic_rounding=True)

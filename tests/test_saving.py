@@ -59,10 +59,25 @@ ROUND_TRIP_CASES = [
         ),
     ),
     ("mlp", lambda: keras.optimizers.LossScaleOptimizer(kto.Adafactor(0.05))),
+    (
+        "mlp",
+        lambda: kto.Adafactor(
+            learning_rate=0.05,
+            beta_1=0.9,
+            momentum_dtype="bfloat16",
+            factored_dims="two_largest",
+            decay_offset=1,
+            beta_2_cap=0.9,
+            stochastic_rounding=True,
+            seed=5,
+        ),
+    ),
 ]
 
 
-@pytest.mark.parametrize("kind, make", ROUND_TRIP_CASES, ids=["adafactor", "embedding_adam", "loss_scaled_adafactor"])
+@pytest.mark.parametrize(
+    "kind, make", ROUND_TRIP_CASES, ids=["adafactor", "embedding_adam", "loss_scaled_adafactor", "adafactor_options"]
+)
 def test_load_model_restores_config_and_every_variable(kind, make, tmp_path):
     model = _trained(kind, make())
     path = str(tmp_path / "m.keras")
@@ -196,6 +211,18 @@ MISMATCH_CASES = [
         lambda: kto.EmbeddingAdam(),
         ["average", "use_ema"],
     ),
+    (
+        "mlp",  # The (8, 1) kernel: row statistics (8,) over the last two, (1,) over the two largest.
+        lambda: kto.Adafactor(),
+        lambda: kto.Adafactor(factored_dims="two_largest"),
+        ["row_second_moment", "factored_dims"],
+    ),
+    (
+        "mlp",
+        lambda: kto.Adafactor(beta_1=0.9),
+        lambda: kto.Adafactor(beta_1=0.9, momentum_dtype="bfloat16"),
+        ["momentum", "bfloat16", "momentum_dtype"],
+    ),
 ]
 
 
@@ -205,7 +232,7 @@ def _layout(kind, make):
     return [(tuple(v.shape), keras.backend.standardize_dtype(v.dtype)) for v in model.optimizer.variables]
 
 
-@pytest.mark.parametrize("kind, make_saved, make_loading, named", MISMATCH_CASES, ids=["factoring", "momentum", "ema_vs_accumulation_same_count", "ema"])
+@pytest.mark.parametrize("kind, make_saved, make_loading, named", MISMATCH_CASES, ids=["factoring", "momentum", "ema_vs_accumulation_same_count", "ema", "factored_dims", "momentum_dtype"])
 def test_load_weights_of_differently_configured_optimizer_raises(kind, make_saved, make_loading, named, tmp_path):
     model = _trained(kind, make_saved(), steps=2)
     path = str(tmp_path / "m.weights.h5")

@@ -6,7 +6,6 @@ for host-device synchronisations (none allowed) and for its scratch memory.
 
 from __future__ import annotations
 
-import types
 import weakref
 
 import keras
@@ -24,6 +23,7 @@ if BACKEND != "torch":
 torch = pytest.importorskip("torch")
 
 from keras_tpu_optim._backend.torch import adafactor  # noqa: E402
+from keras_tpu_optim._math.adafactor import AdafactorOptions  # noqa: E402
 from reference.numpy_adafactor import NumpyAdafactor  # noqa: E402  (tests/ is on pythonpath)
 from test_adafactor import make_data  # noqa: E402
 
@@ -39,8 +39,9 @@ NUMPY_DTYPES = {"float32": np.dtype("float32"), "bfloat16": np.dtype(ml_dtypes.b
 SYNC_METHODS = ("item", "__float__", "__int__", "__bool__", "tolist", "numpy", "cpu")
 
 
-def make_options(reference: NumpyAdafactor):
-    return types.SimpleNamespace(
+def make_options(reference: NumpyAdafactor, **extra):
+    """The optimizer's options object for the reference's settings (`extra`: options the reference lacks)."""
+    settings = dict(
         beta_2_decay=reference.beta_2_decay,
         epsilon_1=reference.epsilon_1,
         epsilon_2=reference.epsilon_2,
@@ -48,13 +49,21 @@ def make_options(reference: NumpyAdafactor):
         relative_step=reference.relative_step,
         multiply_by_parameter_scale=reference.multiply_by_parameter_scale,
         beta_1=reference.beta_1,
+        decay_offset=reference.decay_offset,
+        beta_2_cap=reference.beta_2_cap,
     )
+    return AdafactorOptions(**{**settings, **extra})
 
 
-def make_state(shape, beta_1):
-    """Zero slots, as the optimizer builds them: factored for rank >= 2."""
+def make_state(shape, beta_1, options=None):
+    """Zero slots, as the optimizer builds them: factored for rank >= 2 (over `options.factored_axes`)."""
+    axes = (len(shape) - 2, len(shape) - 1) if options is None else options.factored_axes(shape)
     if len(shape) >= 2:
-        slots = (torch.zeros(shape[:-1]), torch.zeros(shape[:-2] + shape[-1:]))
+        a, b = axes
+        slots = (
+            torch.zeros([d for i, d in enumerate(shape) if i != b]),
+            torch.zeros([d for i, d in enumerate(shape) if i != a]),
+        )
     else:
         slots = (torch.zeros(shape),)
     return slots, None if beta_1 is None else torch.zeros(shape)
@@ -68,17 +77,21 @@ def to_float64(t):
     return t.to(torch.float32).numpy().astype(np.float64)
 
 
+@pytest.mark.parametrize(
+    "schedule", [{}, dict(decay_offset=2, beta_2_cap=0.6)], ids=["keras_decay", "offset_and_cap"]
+)
 @pytest.mark.parametrize("multiply_by_parameter_scale", [True, False], ids=["param_scale", "no_param_scale"])
 @pytest.mark.parametrize("relative_step", [True, False], ids=["relative", "absolute"])
 @pytest.mark.parametrize("beta_1", [None, 0.9], ids=["no_momentum", "momentum"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_matches_numpy_reference(dtype, beta_1, relative_step, multiply_by_parameter_scale):
+def test_matches_numpy_reference(dtype, beta_1, relative_step, multiply_by_parameter_scale, schedule):
     # lr 0.5 is above the relative-step cap 1/sqrt(t) from t = 5.
     reference = NumpyAdafactor(
         learning_rate=0.5,
         relative_step=relative_step,
         beta_1=beta_1,
         multiply_by_parameter_scale=multiply_by_parameter_scale,
+        **schedule,
     )
     options = make_options(reference)
     inits, grads = make_data(SHAPES, STEPS)
@@ -177,15 +190,20 @@ def sync_counter(monkeypatch):
     return counts
 
 
-def test_no_host_device_synchronisation(sync_counter):
+@pytest.mark.parametrize(
+    "extra",
+    [{}, dict(factored_dims="two_largest", decay_offset=1, beta_2_cap=0.9, stochastic_rounding=True)],
+    ids=["default", "options"],
+)
+def test_no_host_device_synchronisation(sync_counter, extra):
     shapes = [(3,), (37, 5), (2, 16, 3), (1, 7), (), (64,), (8, 8), (128, 16), (3, 4, 5), (16, 1)] * 2
     rng = np.random.default_rng(1)
-    options = make_options(NumpyAdafactor(beta_1=0.9))
+    options = make_options(NumpyAdafactor(beta_1=0.9), **extra)
     # Half bf16: the low-precision path (copy into the scratch, one rounding) syncs no more.
     dtypes = ["float32", "bfloat16"] * 10
     params = [to_torch(rng.normal(size=s), d) for s, d in zip(shapes, dtypes)]
     grads = [to_torch(rng.normal(size=s), d) for s, d in zip(shapes, dtypes)]
-    states = [make_state(s, 0.9) for s in shapes]
+    states = [make_state(s, 0.9, options) for s in shapes]
     learning_rate = torch.tensor(0.01)
     scratch = adafactor.Scratch()
     for t in range(3):

@@ -11,8 +11,10 @@ import functools
 import keras
 from keras import ops
 
+from keras_tpu_optim import _private
 from keras_tpu_optim._math import adafactor as adafactor_math
 from keras_tpu_optim._math import embedding_adam as adam_math
+from keras_tpu_optim._math import stochastic_rounding
 
 
 def apply_if(condition, apply, state):
@@ -27,36 +29,59 @@ def apply_if(condition, apply, state):
 def adafactor_step(optimizer, gradient, variable, learning_rate, reductions=adafactor_math.NEUTRAL):
     """One Adafactor step on a dense gradient, through the optimizer's `assign`s."""
     state = optimizer.state_of(variable)
+    step = optimizer.iterations + 1
+    options = optimizer.options
     delta, new_slots, new_momentum = adafactor_math.adafactor_update(
         ops.cast(gradient, "float32"),
         ops.cast(variable, "float32"),
         tuple(s.value for s in state.slots),
         None if state.momentum is None else state.momentum.value,
         learning_rate=ops.cast(learning_rate, "float32"),
-        step=ops.cast(optimizer.iterations + 1, "float32"),
-        options=optimizer.options,
+        step=ops.cast(step, "float32"),
+        options=options,
         reductions=reductions,
+        factored_axes=options.factored_axes(variable.shape),
     )
     assign_update(
         variable, delta, state.slots, new_slots, state.momentum, new_momentum,
         assign=optimizer.assign, assign_sub=optimizer.assign_sub,
+        round_to=variable_rounding(options, step, _private.variable_index(optimizer, variable), variable.shape),
     )
 
 
-def assign_update(variable, delta, slots, new_slots, momentum, new_momentum, *, assign, assign_sub):
+def variable_rounding(options, step, variable_index, shape):
+    """How a step's float32 result is cast to a variable's dtype: `ops.cast`, or stochastic rounding.
+
+    `step` is `iterations + 1` (an integer scalar), `variable_index` the
+    variable's position in the optimizer's list: with the seed, the key of
+    the rounding's random bits (`_math.stochastic_rounding`).
+    """
+    if not options.stochastic_rounding:
+        return ops.cast
+    return functools.partial(
+        stochastic_rounding.stochastic_round,
+        seed=options.seed, step=step, variable_index=variable_index, shape=tuple(shape),
+    )
+
+
+def assign_update(
+    variable, delta, slots, new_slots, momentum, new_momentum, *, assign, assign_sub, round_to=ops.cast
+):
     """Write one Adafactor step's results: the statistics, the momentum, and `variable - delta`.
 
     A float32 variable is updated in place; any other dtype is subtracted in
-    float32 and rounded once.
+    float32 and rounded once, by `round_to(value, dtype)` (`ops.cast`: to
+    nearest; or `variable_rounding`'s stochastic rounding). A bfloat16
+    momentum slot is stored rounded to nearest.
     """
     for slot, value in zip(slots, new_slots):
         assign(slot, value)
     if momentum is not None:
-        assign(momentum, new_momentum)
+        assign(momentum, ops.cast(new_momentum, momentum.dtype))
     if keras.backend.standardize_dtype(variable.dtype) == "float32":
         assign_sub(variable, delta)
     else:
-        assign(variable, ops.cast(ops.cast(variable, "float32") - delta, variable.dtype))
+        assign(variable, round_to(ops.cast(variable, "float32") - delta, variable.dtype))
 
 
 def embedding_adam_step(optimizer, gradient, variable, learning_rate, *, lazy_row_update, densify):

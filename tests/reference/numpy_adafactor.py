@@ -11,7 +11,7 @@ Step t = iterations + 1:
     rho_t   = min(lr, 1/sqrt(t)) if relative_step else lr
     alpha_t = max(epsilon_2, RMS(var)) * rho_t     (rho_t if not multiply_by_parameter_scale)
     G2      = g^2 + epsilon_1
-    beta2_t = 1 - t^beta_2_decay
+    beta2_t = min(1 - (t - decay_offset)^beta_2_decay, beta_2_cap)   (t - decay_offset floored at 1)
     factored:   R = beta2_t R + (1-beta2_t) mean(G2, -1)
                 C = beta2_t C + (1-beta2_t) mean(G2, -2)
                 u = g / sqrt(R / mean(R, -1))[..., :, None] / sqrt(C)[..., None, :]
@@ -52,6 +52,8 @@ class NumpyAdafactor:
         beta_1: Optional[float] = None,
         min_dim_size_to_factor: Optional[int] = None,
         multiply_by_parameter_scale: bool = True,
+        decay_offset: int = 0,
+        beta_2_cap: Optional[float] = None,
         weight_decay: Optional[float] = None,
         exclude_from_weight_decay: Sequence[str] = (),
     ):
@@ -64,6 +66,8 @@ class NumpyAdafactor:
         self.beta_1 = beta_1
         self.min_dim_size_to_factor = min_dim_size_to_factor
         self.multiply_by_parameter_scale = multiply_by_parameter_scale
+        self.decay_offset = decay_offset
+        self.beta_2_cap = beta_2_cap
         self.weight_decay = weight_decay
         self.exclude_from_weight_decay = tuple(exclude_from_weight_decay)
         self.iterations = 0
@@ -103,7 +107,9 @@ class NumpyAdafactor:
         t = self.iterations + 1
         lr = self.current_learning_rate()
         rho = min(lr, 1.0 / math.sqrt(t)) if self.relative_step else lr
-        beta2 = 1.0 - t**self.beta_2_decay
+        beta2 = 1.0 - max(t - self.decay_offset, 1) ** self.beta_2_decay
+        if self.beta_2_cap is not None:
+            beta2 = min(beta2, self.beta_2_cap)
         new_params = []
         for param, grad, name, state in zip(params, grads, names, self.state):
             dtype = np.asarray(param).dtype

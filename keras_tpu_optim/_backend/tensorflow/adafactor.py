@@ -101,11 +101,13 @@ def adafactor_step(optimizer, gradient, variable, learning_rate):
         None if state.momentum is None else native_variable(state.momentum),
         tf.convert_to_tensor(learning_rate),
         tf.convert_to_tensor(optimizer.iterations + 1),
+        # A tensor, so that one trace serves every variable of a shape.
+        tf.constant(_private.variable_index(optimizer, variable), tf.int32),
     )
 
 
 def _assigning_update(options, reductions):
-    def update(grad, variable, slots, momentum, learning_rate, step):
+    def update(grad, variable, slots, momentum, learning_rate, step, variable_index):
         delta, new_slots, new_momentum = adafactor_math.adafactor_update(
             tf.cast(grad, tf.float32),
             tf.cast(variable, tf.float32),
@@ -115,11 +117,13 @@ def _assigning_update(options, reductions):
             step=tf.cast(step, tf.float32),
             options=options,
             reductions=reductions,
+            factored_axes=options.factored_axes(variable.shape),
         )
         neutral.assign_update(
             variable, delta, slots, new_slots, momentum, new_momentum,
             assign=lambda target, value: target.assign(value),
             assign_sub=lambda target, value: target.assign_sub(value),
+            round_to=neutral.variable_rounding(options, step, variable_index, variable.shape),
         )
 
     return update

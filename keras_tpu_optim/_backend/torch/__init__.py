@@ -48,7 +48,12 @@ def adafactor_reductions(platform: str) -> adafactor_math.Reductions:
 
 
 def fused_adafactor_applies(platform: str) -> bool:
-    """Whether the in-place kernel (`adafactor.adafactor_step`, measured on CPU) updates a variable on `platform`."""
+    """Whether the in-place kernel (`adafactor.adafactor_step`, measured on CPU) updates a variable on `platform`.
+
+    The kernel implements every `AdafactorOptions` value (both `factored_dims`,
+    `decay_offset`, `beta_2_cap`, a bfloat16 momentum, stochastic rounding),
+    so no option value is routed to the neutral step.
+    """
     return platform == "cpu"
 
 
@@ -73,6 +78,7 @@ def adafactor_step(optimizer, gradient, variable, learning_rate):
         step=ops.convert_to_tensor(optimizer.iterations) + 1,
         options=optimizer.options,
         scratch=scratch_of(optimizer),
+        variable_index=_private.variable_index(optimizer, variable),
     )
 
 

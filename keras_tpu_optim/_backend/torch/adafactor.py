@@ -13,6 +13,10 @@ import math
 
 import torch
 
+from keras_tpu_optim._math import stochastic_rounding
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
 
 class Scratch:
     """Full-size float32 scratch for one optimizer's eager steps: grown to the largest variable, reused, released with its owner."""
@@ -45,32 +49,44 @@ def _as_float32(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def adafactor_step(grad, param, second_moment_slots, momentum, *, learning_rate, step, options, scratch) -> None:
+def adafactor_step(
+    grad, param, second_moment_slots, momentum, *, learning_rate, step, options, scratch, variable_index=0
+) -> None:
     """One Adafactor step for one variable, in place, with no host-device synchronisation.
 
     `second_moment_slots` is `(row, column)` for a factored variable, else `(v,)`,
-    all float32, as is `momentum` (or None). `learning_rate` and `step`
-    (iterations + 1) are 0-d tensors; `options` holds the static hyperparameters.
-    A non-float32 `param` is updated in float32 and rounded once.
+    all float32; `momentum` (or None) is float32 or bfloat16 (`momentum_dtype`:
+    computed in float32, stored rounded). `learning_rate` and `step`
+    (iterations + 1) are 0-d tensors; `options` holds the static hyperparameters;
+    `variable_index` keys stochastic rounding's random bits. A non-float32
+    `param` is updated in float32 and rounded once (to nearest, or
+    stochastically with `options.stochastic_rounding`).
     """
     lr = learning_rate.to(param.device, torch.float32, non_blocking=True)
-    step = step.to(param.device, torch.float32, non_blocking=True)
+    step_count = step.to(param.device, non_blocking=True)
+    step = step_count.to(torch.float32)
     buffer = scratch.like(param)
     rho = torch.minimum(lr, step.rsqrt()) if options.relative_step else lr
     alpha = rho
     if options.multiply_by_parameter_scale:
         # Not vector_norm(param, dtype=float32): it would allocate a float32 copy.
         alpha = torch.clamp_min(_rms(_as_float32(param, buffer)), options.epsilon_2) * rho
-    decay_weight = step.pow(options.beta_2_decay)  # 1 - beta2_t: the weight of the new statistic.
+    decay_step = torch.clamp_min(step - float(options.decay_offset), 1.0) if options.decay_offset else step
+    decay_weight = decay_step.pow(options.beta_2_decay)  # 1 - beta2_t: the weight of the new statistic.
+    if options.beta_2_cap is not None:
+        decay_weight = torch.clamp_min(decay_weight, 1.0 - options.beta_2_cap)  # beta2_t <= beta_2_cap.
     grad32 = _as_float32(grad, buffer)
     grad_sq = torch.mul(grad32, grad32, out=buffer)
     if len(second_moment_slots) == 2:
         row, column = second_moment_slots
-        row.lerp_(grad_sq.mean(dim=-1).add_(options.epsilon_1), decay_weight)
-        column.lerp_(grad_sq.mean(dim=-2).add_(options.epsilon_1), decay_weight)
-        row_factor = (row / row.mean(dim=-1, keepdim=True)).rsqrt_()
-        update = torch.mul(_as_float32(grad, buffer), row_factor.unsqueeze(-1), out=buffer)
-        update.mul_(column.rsqrt().unsqueeze(-2))
+        # Row statistics: means over axis b; column statistics: over axis a (the last two, or the two largest).
+        a, b = options.factored_axes(param.shape)
+        a_in_row = a - (b < a)
+        row.lerp_(grad_sq.mean(dim=b).add_(options.epsilon_1), decay_weight)
+        column.lerp_(grad_sq.mean(dim=a).add_(options.epsilon_1), decay_weight)
+        row_factor = (row / row.mean(dim=a_in_row, keepdim=True)).rsqrt_()
+        update = torch.mul(_as_float32(grad, buffer), row_factor.unsqueeze(b), out=buffer)
+        update.mul_(column.rsqrt().unsqueeze(a))
     else:
         (second_moment,) = second_moment_slots
         second_moment.lerp_(grad_sq.add_(options.epsilon_1), decay_weight)
@@ -80,7 +96,24 @@ def adafactor_step(grad, param, second_moment_slots, momentum, *, learning_rate,
     # addcmul_ multiplies by the 0-d tensor in the same pass (add_'s alpha takes only numbers).
     # Type promotion updates a bf16/fp16 param in float32 and rounds it once.
     if options.beta_1 is not None:
-        momentum.mul_(options.beta_1).addcmul_(update, (1.0 - options.beta_1) * scale)
-        param.sub_(momentum)
+        if momentum.dtype == torch.float32:
+            momentum.mul_(options.beta_1).addcmul_(update, (1.0 - options.beta_1) * scale)
+            delta = momentum
+        else:
+            # A bfloat16 slot: the new momentum in float32 (in the scratch), stored rounded, used unrounded.
+            delta = update.mul_((1.0 - options.beta_1) * scale).add_(momentum, alpha=options.beta_1)
+            momentum.copy_(delta)
+        if not (options.stochastic_rounding and param.dtype in _LOW_PRECISION):
+            param.sub_(delta)
+            return
+        new_value = delta.neg_().add_(param) if delta is buffer else torch.sub(param, delta, out=buffer)
     else:
-        param.addcmul_(update, scale, value=-1.0)
+        if not (options.stochastic_rounding and param.dtype in _LOW_PRECISION):
+            param.addcmul_(update, scale, value=-1.0)
+            return
+        new_value = update.mul_(-scale).add_(param)
+    param.copy_(
+        stochastic_rounding.stochastic_round(
+            new_value, param.dtype, seed=options.seed, step=step_count, variable_index=variable_index
+        )
+    )

@@ -1,0 +1,113 @@
+"""Stochastic rounding of float32 values to bfloat16/float16, identical bit for bit on every backend.
+
+`stochastic_round(x, dtype, ...)` rounds each float32 element to one of its
+two neighbours in `dtype`, up with probability `(x - lower) / (upper - lower)`,
+so that the expected result is `x` (docs/algorithms.md#stochastic-rounding).
+The random bits come from a counter-based hash of `(seed, step, variable
+index, element index)`: no random-number state, nothing to save besides the
+seed, and the same bits wherever the same float32 values are rounded.
+
+Integer `keras.ops` only, on int32: torch lacks most uint32 arithmetic, so
+multiplications wrap around in int32 (two's complement, the same bits as
+uint32) and right shifts are arithmetic shifts with the sign-extended bits
+masked off. TF, JAX, torch (and numpy) give the same bits.
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import ops
+
+# murmur3's 32-bit finaliser constants and the golden-ratio increment, as signed int32.
+_M1 = 0x85EBCA6B - (1 << 32)
+_M2 = 0xC2B2AE35 - (1 << 32)
+_GOLDEN = 0x9E3779B9 - (1 << 32)
+_STEP_SALT = 0x68E31DA4
+_VARIABLE_SALT = 0x1B56C4E9
+_ELEMENT_SALT = 0x5BD1E995
+
+SEED_LIMIT = 1 << 31  # seeds are ints in [0, 2^31)
+
+
+def _int32(x):
+    return ops.cast(ops.convert_to_tensor(x), "int32")
+
+
+def _shift_right_logical(x, bits: int):
+    """`x >>> bits` on int32 (an arithmetic shift with the sign bits masked off)."""
+    return ops.bitwise_and(ops.right_shift(x, bits), _int32((1 << (32 - bits)) - 1))
+
+
+def _mix(h):
+    """murmur3's fmix32: a bijection of 32-bit words that avalanches every input bit."""
+    h = ops.bitwise_xor(h, _shift_right_logical(h, 16))
+    h = ops.multiply(h, _int32(_M1))
+    h = ops.bitwise_xor(h, _shift_right_logical(h, 13))
+    h = ops.multiply(h, _int32(_M2))
+    return ops.bitwise_xor(h, _shift_right_logical(h, 16))
+
+
+def random_bits(shape, seed, step, variable_index):
+    """32 random bits per element (int32 of `shape`): a hash of `(seed, step, variable_index, element index)`.
+
+    `seed` is an int in `[0, 2^31)`, `step` an integer scalar (tensor or int;
+    it wraps modulo 2^32), `variable_index` an integer scalar; the element
+    index is the row-major position in `shape`.
+    """
+    key = _mix(_int32(seed))
+    key = _mix(ops.bitwise_xor(key, ops.add(_int32(step), _int32(_STEP_SALT))))
+    key = _mix(ops.bitwise_xor(key, ops.add(_int32(variable_index), _int32(_VARIABLE_SALT))))
+    size = 1
+    for dim in shape:
+        size *= int(dim)
+    index = ops.reshape(ops.arange(size, dtype="int32"), tuple(int(d) for d in shape))
+    h = _mix(ops.add(ops.multiply(index, _int32(_GOLDEN)), key))
+    # A second round keyed apart from the first (with `key + _GOLDEN` here,
+    # element 1 would cancel to 0 under every key).
+    return _mix(ops.bitwise_xor(h, _mix(ops.bitwise_xor(key, _int32(_ELEMENT_SALT)))))
+
+
+def _round_low_bits(x, bits, dropped: int):
+    """Round float32 `x` to the float32 values whose low `dropped` mantissa bits are 0, stochastically.
+
+    Adding `r` uniform in `[0, 2^dropped)` to the bit pattern and clearing the
+    low bits carries into the kept bits with probability `low bits / 2^dropped`:
+    the magnitude rounds up exactly that often (sign and magnitude are
+    separate in IEEE floats, so negatives round symmetrically).
+    """
+    pattern = ops.view(x, "int32")
+    noise = ops.bitwise_and(bits, _int32((1 << dropped) - 1))
+    rounded = ops.bitwise_and(ops.add(pattern, noise), _int32(-(1 << dropped)))
+    return ops.view(rounded, "float32")
+
+
+def stochastic_round(x, dtype, *, seed, step, variable_index, shape=None):
+    """float32 `x` rounded stochastically and without bias to `dtype` (`bfloat16`, `float16`).
+
+    Every result is one of the two `dtype` values nearest `x` (`x` itself if
+    representable); infinities pass through, NaN stays NaN. Values beyond `dtype`'s
+    largest finite value may round to infinity, as with round-to-nearest.
+    float16's subnormal range (`|x| < 2^-14`, spacing 2^-24) is rounded by
+    arithmetic on `|x| * 2^24`, unbiased for every `x` that is a multiple of
+    2^-48. float32 subnormal inputs are not promised identical bits (some
+    backends flush them to zero). Any other `dtype` is a plain cast. `shape`
+    is `x`'s static shape where `x.shape` may not be fully known.
+    """
+    dtype = keras.backend.standardize_dtype(dtype)
+    if dtype not in ("bfloat16", "float16"):
+        return ops.cast(x, dtype)
+    x = ops.cast(x, "float32")
+    bits = random_bits(tuple(x.shape) if shape is None else tuple(shape), seed, step, variable_index)
+    if dtype == "bfloat16":
+        rounded = _round_low_bits(x, bits, 16)
+    else:
+        normal = _round_low_bits(x, bits, 13)
+        scaled = ops.abs(x) * 2.0**24
+        whole = ops.floor(scaled)
+        # The top 24 random bits as a uniform draw from [0, 1) in steps of 2^-24.
+        uniform = ops.cast(_shift_right_logical(bits, 8), "float32") * 2.0**-24
+        magnitude = (whole + ops.cast(uniform < scaled - whole, "float32")) * 2.0**-24
+        subnormal = ops.where(x < 0, -magnitude, magnitude)
+        subnormal = ops.where(x == 0, x, subnormal)  # -0 stays -0
+        rounded = ops.where(ops.abs(x) < 2.0**-14, subnormal, normal)
+    return ops.cast(ops.where(ops.isfinite(x), rounded, x), dtype)
