@@ -68,6 +68,28 @@ def _saved_optimizer_config(root: str, step) -> dict | None:
         return None
 
 
+def _shape_and_dtype(meta) -> tuple[tuple[int, ...], str]:
+    """A metadata leaf's shape and dtype. OrbaxCheckpoint saves scalars as Python numbers
+    on TensorFlow and torch (the iteration counter, a float learning rate)."""
+    if hasattr(meta, "shape") and hasattr(meta, "dtype"):
+        return tuple(int(d) for d in meta.shape), keras.backend.standardize_dtype(meta.dtype)
+    if isinstance(meta, (bool, int)):
+        return (), "int64"
+    if isinstance(meta, float):
+        return (), "float32"
+    return tuple(getattr(meta, "shape", ())), str(getattr(meta, "dtype", type(meta).__name__))
+
+
+def _same(saved: tuple, variable) -> bool:
+    shape, dtype = saved
+    current = keras.backend.standardize_dtype(variable.dtype)
+    if shape != tuple(int(d) for d in variable.shape):
+        return False
+    if shape == () and dtype.startswith("float") and current.startswith("float"):
+        return True  # a scalar saved as a Python float
+    return _saving._same_dtype(dtype, current)
+
+
 def _describe(shape, dtype) -> str:
     return f"shape {tuple(int(d) for d in shape)} and dtype {keras.backend.standardize_dtype(dtype)}"
 
@@ -87,16 +109,14 @@ def checkpoint_differences(model, metadata: dict) -> list[str]:
             if path not in saved:
                 differences.append(f"{group}: this model has '{path}' with {_describe(variable.shape, variable.dtype)}, which the checkpoint lacks")
                 continue
-            meta = saved[path]
-            same_shape = tuple(meta.shape) == tuple(variable.shape)
-            same_dtype = _saving._same_dtype(keras.backend.standardize_dtype(meta.dtype), keras.backend.standardize_dtype(variable.dtype))
-            if not (same_shape and same_dtype):
+            meta = _shape_and_dtype(saved[path])
+            if not _same(meta, variable):
                 differences.append(
-                    f"{group}: saved '{path}' with {_describe(meta.shape, meta.dtype)} where this model has {_describe(variable.shape, variable.dtype)}"
+                    f"{group}: saved '{path}' with {_describe(*meta)} where this model has {_describe(variable.shape, variable.dtype)}"
                 )
         for path, meta in saved.items():
             if path not in current:
-                differences.append(f"{group}: the checkpoint has '{path}' with {_describe(meta.shape, meta.dtype)}, which this model lacks")
+                differences.append(f"{group}: the checkpoint has '{path}' with {_describe(*_shape_and_dtype(meta))}, which this model lacks")
     return differences
 
 
@@ -117,7 +137,7 @@ def load_checkpoint(model, directory) -> None:
     step_directory, step = _latest_step(root)
     if not optimizer.built:
         optimizer.build(model.trainable_variables)
-    metadata = _ocp().pytree_metadata(step_directory, checkpointable_name="pytree").metadata
+    metadata = _ocp().metadata(step_directory, checkpointable_name="pytree").metadata
     differences = checkpoint_differences(model, metadata)
     if differences:
         shown = differences[:8]
