@@ -8,6 +8,7 @@ with 1 the same mesh is laid over 8 local devices. Each run is one of
   {"op": "train", "name", "steps", "save_at"?, "checkpoint"?}   fit from scratch (OrbaxCheckpoint at save_at)
   {"op": "resume", "name", "optimizer", "checkpoint", "resume_at"}  kto.load_checkpoint, fit the rest
   {"op": "expect_error", "name", "checkpoint", "optimizer"}    the same into another optimizer: must raise
+  {"op": "save_keras", "name", "optimizer"}                    what model.save and our save_own_variables say
 and writes OUT/<name>.npz (weights and optimizer state, process 0) and
 OUT/<name>.p<id>.json (how much of the optimizer state this process holds).
 """
@@ -145,6 +146,21 @@ def run(spec):
         unchanged = all(np.array_equal(a, b) for a, b in zip(before, after))
         with open(os.path.join(job["out"], f"{spec['name']}.p{process_id}.json"), "w") as f:
             json.dump({"error": message, "unchanged": unchanged}, f)
+    elif spec["op"] == "save_keras":
+        # model.save needs every value on one process; what each part says.
+        model = make_model()
+        model.compile(optimizer=OPTIMIZERS[spec["optimizer"]](), loss="mse")
+        model.fit(ids[:BATCH], targets[:BATCH], batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+        errors = {}
+        path = os.path.join(job["out"], f"p{process_id}_m.keras")
+        for what, call in [("model.save", lambda: model.save(path)), ("optimizer", lambda: model.optimizer.save_own_variables({}))]:
+            try:
+                call()
+                errors[what] = None
+            except Exception as error:
+                errors[what] = f"{type(error).__name__}: {error}"
+        with open(os.path.join(job["out"], f"{spec['name']}.p{process_id}.json"), "w") as f:
+            json.dump(errors, f)
     else:
         raise ValueError(spec["op"])
 

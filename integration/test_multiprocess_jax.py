@@ -95,6 +95,7 @@ def test_two_processes_fit_checkpoint_and_resume(tmp_path):
             "optimizer": "adafactor",
         }
     )
+    resume_runs.append({"op": "save_keras", "name": "save_keras", "optimizer": "embedding_adam"})
     _job(tmp_path, "resume", 2, resume_runs)
     _job(
         tmp_path,
@@ -129,6 +130,13 @@ def test_two_processes_fit_checkpoint_and_resume(tmp_path):
                 if "_embedding_embeddings_column" in path or "_dense_kernel_row" in path:
                     continue  # Adafactor's statistics along the axis that is not split
                 assert local * 2 == total, (c, path, local, total, spec)
+
+    # model.save cannot write state no process holds whole; our part says what to use.
+    for process_id in range(2):
+        errors = _held(out, "save_keras", process_id)
+        print(f"process {process_id}: model.save -> {errors['model.save']}")
+        assert errors["model.save"], errors
+        assert "OrbaxCheckpoint" in errors["optimizer"] and "load_checkpoint" in errors["optimizer"], errors
 
     wrong = [_held(out, "wrong_optimizer", p) for p in range(2)]
     for result in wrong:
