@@ -46,6 +46,7 @@ class OptimizerBase(keras.optimizers.Optimizer):
 
     def __init__(self, *args, skip_nonfinite_updates=False, **kwargs):
         _checks.check_base_arguments(*args, **kwargs)
+        _checks.check_layout_map(type(self), kwargs.get("name"))
         super().__init__(*args, **kwargs)
         self.skip_nonfinite_updates = _checks.check_bool("skip_nonfinite_updates", skip_nonfinite_updates)
 

@@ -131,3 +131,12 @@ def test_keras_weight_decay_hook_is_the_one_embedding_adam_overrides():
     optimizer.apply([gradient], [table])
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(table)[1:], 1.0)
     assert np.all(keras.ops.convert_to_numpy(table)[0] < 1.0)
+
+
+def test_layout_map_of_a_distribution():
+    if BACKEND != "jax" or len(keras.distribution.list_devices()) < 2:
+        pytest.skip("keras.distribution.ModelParallel needs the JAX backend and 2 devices")
+    mesh = keras.distribution.DeviceMesh((2,), ["model"], keras.distribution.list_devices()[:2])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    assert _private.layout_map(keras.distribution.ModelParallel(layout_map=layout_map)) is layout_map
+    assert _private.layout_map(keras.distribution.DataParallel(devices=keras.distribution.list_devices()[:2])) is None
