@@ -102,9 +102,17 @@ def checkpoint_differences(model, metadata: dict) -> list[str]:
         ("non_trainable_variables", model.non_trainable_variables),
         ("optimizer_variables", model.optimizer.variables),
     ]
+    # A float learning rate is a variable, a schedule is not: switching on resume is
+    # legitimate (as with .keras files), so that variable may be missing on either side.
+    optional = {f"{model.optimizer.name}/learning_rate"} if model.optimizer.variables else set()
     for group, variables in groups:
         saved = _flatten(metadata.get(group))
         current = {v.path: v for v in variables}
+        if group == "optimizer_variables":
+            for path in optional:
+                if (path in saved) != (path in current):
+                    saved.pop(path, None)
+                    current.pop(path, None)
         for path, variable in current.items():
             if path not in saved:
                 differences.append(f"{group}: this model has '{path}' with {_describe(variable.shape, variable.dtype)}, which the checkpoint lacks")

@@ -79,6 +79,15 @@ def test_a_differently_configured_optimizer_raises_and_changes_nothing(tmp_path,
         np.testing.assert_array_equal(got, want)
 
 
+def test_a_schedule_in_place_of_a_float_learning_rate_resumes(tmp_path):
+    trained, directory = _trained(tmp_path, kto.EmbeddingAdam(0.1))
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.5)
+    model = _model(seed=2, optimizer=kto.EmbeddingAdam(schedule))
+    kto.load_checkpoint(model, directory)
+    for got, want in zip(weights_of(model), weights_of(trained)):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_other_layer_names_raise(tmp_path):
     """Keras would load nothing (paths differ) and say nothing."""
     _, directory = _trained(tmp_path, kto.Adafactor(learning_rate=0.1))
