@@ -46,6 +46,7 @@ class OptimizerBase(keras.optimizers.Optimizer):
 
     def __init__(self, skip_nonfinite_updates=False, **kwargs):
         _checks.check_base_arguments(**kwargs)
+        _checks.check_layout_map(type(self), kwargs.get("name"))
         super().__init__(**kwargs)
         self.skip_nonfinite_updates = _checks.check_bool("skip_nonfinite_updates", skip_nonfinite_updates)
 
@@ -200,6 +201,16 @@ class OptimizerBase(keras.optimizers.Optimizer):
     # ---------------------------------------------------------------- state
 
     def save_own_variables(self, store):
+        for variable in self.variables:
+            # A jax.Array split across processes cannot be written by one process.
+            if not getattr(variable.value, "is_fully_addressable", True):
+                raise RuntimeError(
+                    f"Cannot save the state of {type(self).__name__} '{self.name}' into one file: "
+                    f"'{variable.path}' is split across processes and this process holds only its "
+                    "part. Checkpoint with keras.callbacks.OrbaxCheckpoint (every process writes its "
+                    "part) and resume with keras_tpu_optim.load_checkpoint(model, directory); see "
+                    "the README, 'Scaling out'."
+                )
         super().save_own_variables(store)
         store[_saving.STATE_SIGNATURE_KEY] = _saving.encode(_saving.describe_state(self))
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 
 import keras
+
+from keras_tpu_optim import _private
 
 
 def check_number(name: str, value, *, low=None, high=None, low_open=False, high_open=False, allow_none=False):
@@ -104,3 +107,31 @@ def check_base_arguments(**keywords):
     check_number("ema_momentum", keywords.get("ema_momentum", 0.99), low=0, high=1)
     check_int("ema_overwrite_frequency", keywords.get("ema_overwrite_frequency"), low=1, allow_none=True)
     check_int("gradient_accumulation_steps", keywords.get("gradient_accumulation_steps"), low=2, allow_none=True)
+
+
+def check_layout_map(optimizer_class, name) -> None:
+    """Refuse a LayoutMap that would give the optimizer's scalars (`iteration`,
+    `learning_rate`) a sharded layout, before they are created: JAX would fail deep in
+    its sharding code with an IndexError. A broad key such as '.*embedding.*' matches
+    `embedding_adam/iteration` as well as the table."""
+    try:
+        distribution = keras.distribution.distribution()
+    except Exception:  # a backend without keras.distribution
+        return
+    layouts = _private.layout_map(distribution)
+    if layouts is None:
+        return
+    if name is None:
+        name = re.sub(r"(?<!^)(?=[A-Z])", "_", optimizer_class.__name__).lower()
+    for variable in ("iteration", "learning_rate"):
+        path = f"{name}/{variable}"
+        layout = layouts[path]
+        axes = tuple(getattr(layout, "axes", ()) or ())
+        if axes:
+            raise ValueError(
+                f"The current distribution's LayoutMap gives {optimizer_class.__name__}'s scalar "
+                f"'{path}' the layout {axes}: one of its keys matches optimizer variables as well as "
+                "model variables. The optimizer's state follows each model variable's layout by "
+                "itself; make the keys match only model variables (e.g. '.*embedding/embeddings' "
+                f"rather than '.*embedding.*'), or name the optimizer so that no key matches it."
+            )

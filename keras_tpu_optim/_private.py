@@ -101,6 +101,11 @@ def variable_layout(variable):
     return getattr(variable, "_layout", None)
 
 
+def layout_map(distribution):
+    """The `keras.distribution.LayoutMap` of a `ModelParallel` distribution, or None."""
+    return getattr(distribution, "_layout_map", None)
+
+
 # ------------------------------------------------------------------ TensorFlow
 
 

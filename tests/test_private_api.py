@@ -142,3 +142,12 @@ def test_keras_gradient_clipping_hook_is_the_one_embedding_adam_overrides():
     gradient = keras.ops.convert_to_tensor(np.array([[3.0, 4.0], [0.0, 0.0]], np.float32))
     (clipped,) = optimizer._clip_gradients([gradient])
     np.testing.assert_allclose(keras.ops.convert_to_numpy(clipped), [[0.6, 0.8], [0.0, 0.0]], rtol=1e-6)
+
+
+def test_layout_map_of_a_distribution():
+    if BACKEND != "jax" or len(keras.distribution.list_devices()) < 2:
+        pytest.skip("keras.distribution.ModelParallel needs the JAX backend and 2 devices")
+    mesh = keras.distribution.DeviceMesh((2,), ["model"], keras.distribution.list_devices()[:2])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    assert _private.layout_map(keras.distribution.ModelParallel(layout_map=layout_map)) is layout_map
+    assert _private.layout_map(keras.distribution.DataParallel(devices=keras.distribution.list_devices()[:2])) is None

@@ -1,0 +1,168 @@
+"""Resuming from a `keras.callbacks.OrbaxCheckpoint` with the saved state checked first.
+
+`OrbaxCheckpoint` saves `model.get_state_tree()`: every variable by its path, the
+optimizer's under `optimizer_variables/<optimizer name>/<variable name>`. It never calls
+`save_own_variables`, so our state signature is not written, and Keras's loaders
+(`model.load_weights(directory)`, `keras.saving.load_model(directory)`) assign by path and
+silently skip every path that does not match: a differently configured optimizer (other
+factoring, `beta_1`, EMA or accumulation on or off), an optimizer that is not built yet,
+or a model whose variables are named differently resume with part of their state fresh.
+Keras offers no hook on that path, so `load_checkpoint` checks the checkpoint's metadata
+against the model and its optimizer before anything is assigned, then loads it with
+`model.load_weights`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import keras
+
+from keras_tpu_optim import _saving
+
+
+def _ocp():
+    try:
+        import orbax.checkpoint
+
+        ocp = orbax.checkpoint.v1  # the API Keras's OrbaxCheckpoint writes with
+    except (ImportError, AttributeError) as error:  # pragma: no cover - orbax is a Keras extra
+        raise ImportError("load_checkpoint needs the 'orbax-checkpoint' package (pip install orbax-checkpoint).") from error
+    return ocp
+
+
+def _latest_step(directory: str) -> tuple[str, int]:
+    """(step directory, step) of the latest complete checkpoint under an OrbaxCheckpoint directory."""
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        raise ValueError(f"No Orbax checkpoint at {directory!r}: not a directory.")
+    if not any(d.isdigit() and os.path.isdir(os.path.join(directory, d)) for d in os.listdir(directory)):
+        raise ValueError(
+            f"No Orbax checkpoint steps in {directory!r}: pass the directory given to "
+            "keras.callbacks.OrbaxCheckpoint (its latest step is restored)."
+        )
+    latest = _ocp().training.Checkpointer(directory=directory).latest
+    if latest is None:
+        raise ValueError(f"No complete Orbax checkpoint in {directory!r}.")
+    return os.path.join(directory, str(latest.step)), latest.step
+
+
+def _flatten(tree, prefix="") -> dict:
+    flat = {}
+    for key, value in (tree or {}).items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}/"))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _saved_optimizer_config(root: str, step) -> dict | None:
+    """The saving optimizer's config, from the checkpoint's model config (for the message only)."""
+    try:
+        loaded = _ocp().training.Checkpointer(directory=root).load_checkpointables(step, {"model_config": None})
+        config = json.loads(loaded["model_config"]["config"])
+        return config["compile_config"]["optimizer"]["config"]
+    except Exception:
+        return None
+
+
+def _shape_and_dtype(meta) -> tuple[tuple[int, ...], str]:
+    """A metadata leaf's shape and dtype. OrbaxCheckpoint saves scalars as Python numbers
+    on TensorFlow and torch (the iteration counter, a float learning rate)."""
+    if hasattr(meta, "shape") and hasattr(meta, "dtype"):
+        return tuple(int(d) for d in meta.shape), keras.backend.standardize_dtype(meta.dtype)
+    if isinstance(meta, (bool, int)):
+        return (), "int64"
+    if isinstance(meta, float):
+        return (), "float32"
+    return tuple(getattr(meta, "shape", ())), str(getattr(meta, "dtype", type(meta).__name__))
+
+
+def _same(saved: tuple, variable) -> bool:
+    shape, dtype = saved
+    current = keras.backend.standardize_dtype(variable.dtype)
+    if shape != tuple(int(d) for d in variable.shape):
+        return False
+    if shape == () and dtype.startswith("float") and current.startswith("float"):
+        return True  # a scalar saved as a Python float
+    return _saving._same_dtype(dtype, current)
+
+
+def _describe(shape, dtype) -> str:
+    return f"shape {tuple(int(d) for d in shape)} and dtype {keras.backend.standardize_dtype(dtype)}"
+
+
+def checkpoint_differences(model, metadata: dict) -> list[str]:
+    """What differs between a checkpoint's `pytree` metadata and `model` (and its optimizer)."""
+    differences = []
+    groups = [
+        ("trainable_variables", model.trainable_variables),
+        ("non_trainable_variables", model.non_trainable_variables),
+        ("optimizer_variables", model.optimizer.variables),
+    ]
+    # A float learning rate is a variable, a schedule is not: switching on resume is
+    # legitimate (as with .keras files), so that variable may be missing on either side.
+    optional = {f"{model.optimizer.name}/learning_rate"} if model.optimizer.variables else set()
+    for group, variables in groups:
+        saved = _flatten(metadata.get(group))
+        current = {v.path: v for v in variables}
+        if group == "optimizer_variables":
+            for path in optional:
+                if (path in saved) != (path in current):
+                    saved.pop(path, None)
+                    current.pop(path, None)
+        for path, variable in current.items():
+            if path not in saved:
+                differences.append(f"{group}: this model has '{path}' with {_describe(variable.shape, variable.dtype)}, which the checkpoint lacks")
+                continue
+            meta = _shape_and_dtype(saved[path])
+            if not _same(meta, variable):
+                differences.append(
+                    f"{group}: saved '{path}' with {_describe(*meta)} where this model has {_describe(variable.shape, variable.dtype)}"
+                )
+        for path, meta in saved.items():
+            if path not in current:
+                differences.append(f"{group}: the checkpoint has '{path}' with {_describe(*_shape_and_dtype(meta))}, which this model lacks")
+    return differences
+
+
+def load_checkpoint(model, directory) -> None:
+    """Restore `model` (weights and optimizer state) from the latest step in a
+    `keras.callbacks.OrbaxCheckpoint` directory, after checking that every saved
+    variable has a place in `model` and its optimizer and every variable a saved value.
+
+    Builds the optimizer first if needed (Keras's loaders skip the slots of an unbuilt
+    optimizer). On a mismatch raises a `ValueError` naming each difference and the
+    optimizer settings that differ, before anything is assigned. Under a JAX distribution
+    the arrays are read onto the current layout (`model.load_weights` reshards).
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        raise ValueError("load_checkpoint restores a compiled model: call model.compile(optimizer=...) first.")
+    root = os.fspath(directory)
+    step_directory, step = _latest_step(root)
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    metadata = _ocp().metadata(step_directory, checkpointable_name="pytree").metadata
+    differences = checkpoint_differences(model, metadata)
+    if differences:
+        shown = differences[:8]
+        more = f"\n  ... and {len(differences) - len(shown)} more" if len(differences) > len(shown) else ""
+        message = (
+            f"Cannot restore the Orbax checkpoint {step_directory!r} into this model and its "
+            f"{type(optimizer).__name__} '{optimizer.name}': the saved variables differ:\n  " + "\n  ".join(shown) + more
+        )
+        saved_config = _saved_optimizer_config(root, step)
+        settings = _saving.config_differences(
+            {"config": saved_config}, {"config": json.loads(json.dumps(optimizer.get_config(), default=repr))}
+        )
+        if settings:
+            message += "\nThe saved optimizer was configured differently: " + "; ".join(settings) + "."
+        message += (
+            "\nRecreate the model and optimizer as they were saved (same layer names, same optimizer "
+            "configuration) to resume. Nothing was loaded."
+        )
+        raise ValueError(message)
+    model.load_weights(root)  # Keras reads the latest step, onto the variables' layouts

@@ -1,0 +1,105 @@
+"""`keras_tpu_optim.load_checkpoint`: resuming from a `keras.callbacks.OrbaxCheckpoint`
+with the saved state checked first (one process; the multi-process runs are in
+integration/test_multiprocess_jax.py).
+
+Keras's own loaders assign an Orbax checkpoint by variable path and skip whatever does not
+match, silently; these tests pin that down and check that ours refuses instead.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_tpu_optim as kto
+from _kto_models import compile_model, make_data, make_model, optimizer_state, weights_of
+
+pytest.importorskip("orbax.checkpoint")
+
+STEPS, BATCH = 2, 8
+
+
+def _model(optimizer, seed=1):
+    # Orbax checkpoints hold variables by path: a fresh name scope gives the
+    # rebuilt model the layer names of the saved one.
+    keras.backend.clear_session()
+    return compile_model(make_model("mlp", seed=seed), "mlp", optimizer)
+
+
+def _trained(tmp_path, optimizer):
+    x, y = make_data("mlp", STEPS * BATCH)
+    model = _model(optimizer)
+    directory = str(tmp_path / "ckpt")
+    checkpoint = keras.callbacks.OrbaxCheckpoint(directory, save_freq=STEPS, save_on_background=False)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[checkpoint])
+    return model, directory
+
+
+def test_restores_weights_and_state_of_an_unbuilt_optimizer(tmp_path):
+    trained, directory = _trained(tmp_path, kto.Adafactor(learning_rate=0.1, beta_1=0.9))
+    model = _model(seed=2, optimizer=kto.Adafactor(learning_rate=0.1, beta_1=0.9))
+    assert not model.optimizer.built
+    kto.load_checkpoint(model, directory)
+    for got, want in zip(weights_of(model) + optimizer_state(model.optimizer), weights_of(trained) + optimizer_state(trained.optimizer)):
+        np.testing.assert_array_equal(got, want)
+    assert len(optimizer_state(model.optimizer)) == len(optimizer_state(trained.optimizer))
+
+
+def test_keras_load_weights_skips_the_slots_of_an_unbuilt_optimizer(tmp_path):
+    """Why load_checkpoint builds the optimizer: Keras assigns by path, and an unbuilt
+    optimizer has only its counter and learning rate."""
+    trained, directory = _trained(tmp_path, kto.EmbeddingAdam(0.1))
+    model = _model(seed=2, optimizer=kto.EmbeddingAdam(0.1))
+    model.load_weights(directory)
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == STEPS
+    model.optimizer.build(model.trainable_variables)
+    assert not np.any(optimizer_state(model.optimizer)[-1])  # fresh slots, silently
+
+
+@pytest.mark.parametrize(
+    "saved, here, setting",
+    [
+        (lambda: kto.Adafactor(learning_rate=0.1, beta_1=0.9), lambda: kto.Adafactor(learning_rate=0.1), "beta_1"),
+        (
+            lambda: kto.Adafactor(learning_rate=0.1),
+            lambda: kto.Adafactor(learning_rate=0.1, min_dim_size_to_factor=1000),
+            "min_dim_size_to_factor",
+        ),
+        (lambda: kto.EmbeddingAdam(0.1), lambda: kto.EmbeddingAdam(0.1, use_ema=True), "use_ema"),
+    ],
+)
+def test_a_differently_configured_optimizer_raises_and_changes_nothing(tmp_path, saved, here, setting):
+    _, directory = _trained(tmp_path, saved())
+    model = _model(seed=2, optimizer=here())
+    model.optimizer.build(model.trainable_variables)
+    before = weights_of(model) + optimizer_state(model.optimizer)
+    with pytest.raises(ValueError, match=setting) as raised:
+        kto.load_checkpoint(model, directory)
+    assert "Nothing was loaded" in str(raised.value)
+    for got, want in zip(weights_of(model) + optimizer_state(model.optimizer), before):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_schedule_in_place_of_a_float_learning_rate_resumes(tmp_path):
+    trained, directory = _trained(tmp_path, kto.EmbeddingAdam(0.1))
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.5)
+    model = _model(seed=2, optimizer=kto.EmbeddingAdam(schedule))
+    kto.load_checkpoint(model, directory)
+    for got, want in zip(weights_of(model), weights_of(trained)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_other_layer_names_raise(tmp_path):
+    """Keras would load nothing (paths differ) and say nothing."""
+    _, directory = _trained(tmp_path, kto.Adafactor(learning_rate=0.1))
+    model = compile_model(make_model("mlp", seed=2), "mlp", kto.Adafactor(learning_rate=0.1))  # dense_2, dense_3
+    with pytest.raises(ValueError, match="which the checkpoint lacks"):
+        kto.load_checkpoint(model, directory)
+
+
+def test_not_a_checkpoint(tmp_path):
+    model = _model(kto.Adafactor())
+    with pytest.raises(ValueError, match="not a directory"):
+        kto.load_checkpoint(model, str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="OrbaxCheckpoint"):
+        kto.load_checkpoint(model, str(tmp_path / "empty"))
