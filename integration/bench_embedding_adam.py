@@ -346,8 +346,13 @@ def sparse_adam_in_subprocess(args):
 OURS_BCOO = OURS + " [BCOO]"
 
 
-def configs_for(backend, rows, dim, batches, skip_peers=False, bcoo=False):
-    """(label, factory) pairs for one table size on this backend."""
+def configs_for(backend, rows, dim, batches, skip_peers=False, bcoo=False, only=None):
+    """(label, factory) pairs for one table size on this backend (only those whose label contains `only`, if given)."""
+    out = _configs_for(backend, rows, dim, batches, skip_peers, bcoo, only)
+    return [(label, f) for label, f in out if only is None or only in label]
+
+
+def _configs_for(backend, rows, dim, batches, skip_peers, bcoo, only):
     import keras
 
     import keras_tpu_optim
@@ -366,7 +371,8 @@ def configs_for(backend, rows, dim, batches, skip_peers=False, bcoo=False):
     elif backend == "jax":
         # Dense V x 64 gradients: keep at most ~1 GB of them.
         n = max(1, min(len(batches), int(1e9 // (rows * dim * 4))))
-        dense = [densify(rows, dim, i, v) for i, v in batches[:n]]
+        # (No dense gradients when only the BCOO configuration runs: they are table-sized.)
+        dense = [] if only == "[BCOO]" else [densify(rows, dim, i, v) for i, v in batches[:n]]
         out.append((OURS, lambda: KerasJaxRun(OURS, ours, table, dense)))
         if bcoo:
             out.append((OURS_BCOO, lambda: KerasJaxBCOORun(OURS_BCOO, ours, table, batches)))
@@ -387,8 +393,10 @@ def configs_for(backend, rows, dim, batches, skip_peers=False, bcoo=False):
     return out
 
 
-def need_bytes(backend, rows, dim):
+def need_bytes(backend, rows, dim, only=None):
     table = rows * dim * 4
+    if backend == "jax" and only == "[BCOO]":  # table, m, v and the numpy table; no dense gradient
+        return table * 4 + (2 << 30)
     # table + m + v of one optimizer, plus a dense gradient and a table-sized temporary;
     # Keras's Adam on eager torch allocates about three more table-sized temporaries
     # (measured: +732 MB at 1M rows), which at 10M rows passed the budget of a 24 GiB machine.
@@ -409,6 +417,9 @@ def main(argv=None):
     ap.add_argument("--mem-budget-gb", type=float, default=None,
                     help="stop (exit 3, report written) if this process's RSS passes this; "
                          "default: memory available at start minus 3 GiB")
+    ap.add_argument("--only", default=None,
+                    help="run only the configurations whose label contains this, e.g. '[BCOO]' "
+                         "(on JAX: then no dense gradients are built, so larger tables fit)")
     ap.add_argument("--quick", action="store_true", help="small tables, for smoke tests")
     ap.add_argument("--json", default=None, help="write the results as JSON to this path")
     ap.add_argument("--_sparse-adam-peer", dest="peer", action="store_true", help=argparse.SUPPRESS)
@@ -460,14 +471,15 @@ def main(argv=None):
     for rows in args.sizes:
         avail = available_bytes()
         # The same 3 GiB of headroom as the watchdog's default budget.
-        if avail is not None and need_bytes(backend, rows, args.dim) > avail - (3 << 30):
-            msg = (f"skipping {size_label(rows)} rows: needs ~{need_bytes(backend, rows, args.dim) / 2**30:.1f} GiB, "
+        need = need_bytes(backend, rows, args.dim, args.only)
+        if avail is not None and need > avail - (3 << 30):
+            msg = (f"skipping {size_label(rows)} rows: needs ~{need / 2**30:.1f} GiB, "
                    f"{avail / 2**30:.1f} GiB available (3 GiB kept free)")
             print(msg, flush=True)
             skipped.append({"rows": rows, "reason": msg})
             continue
         batches = make_id_batches(rows, args.ids, 4, args.dim)
-        for label, factory in configs_for(backend, rows, args.dim, batches, bcoo=bcoo):
+        for label, factory in configs_for(backend, rows, args.dim, batches, bcoo=bcoo, only=args.only):
             print(f"{size_label(rows):>5} rows: {label} ...", flush=True)
             current.update(name=label, rows=rows)
             rec = measure(factory, args.steps, args.warmup, args.max_seconds)

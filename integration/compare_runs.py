@@ -65,8 +65,8 @@ def loads_of(run):
 def _rng(vals, spec=".3f"):
     if not vals:
         return "—"
-    lo, hi = min(vals), max(vals)
-    return format(lo, spec) if lo == hi else f"{format(lo, spec)}–{format(hi, spec)}"
+    lo, hi = format(min(vals), spec), format(max(vals), spec)
+    return lo if lo == hi else f"{lo} to {hi}"
 
 
 def compare(old_dirs, new_dirs):
@@ -153,11 +153,11 @@ def main(argv=None):
     lines += [
         f"Old runs: {', '.join(f'`{d}`' for d in old_dirs)}; new runs: {', '.join(f'`{d}`' for d in new_dirs)}. "
         "Ratios are ours / peer step time (lower is better), each measured with both optimizers in one process; "
-        "cells give min–max over the runs. new/old: mean of the new runs over mean of the old runs. Flag: the "
+        "cells give min to max over the runs. new/old: mean of the new runs over mean of the old runs. Flag: the "
         f"new runs fall outside the old runs' spread widened by {round((TOL - 1) * 100)}% "
         "([old min / 1.1, old max × 1.1]).",
         "",
-        md_table(["bench", "backend", "ours", "peer", "rows", "old (min–max)", "new (min–max)", "new/old", "flag"],
+        md_table(["bench", "backend", "ours", "peer", "rows", "old (min to max)", "new (min to max)", "new/old", "flag"],
                  rows),
         "",
     ]
