@@ -38,6 +38,13 @@ RMS(update) are further reductions) and write the parameters once: about 24
 bytes per float32 parameter. The floor is 24 B x params divided by
 the copy bandwidth measured here with numpy (a copy of N bytes moves 2N).
 
+Memory: after the interleaved timing, each optimizer alone runs `--mem-steps`
+steps and the peak RSS above the RSS just before them is recorded (what a step
+allocates and frees: temporaries). What a step keeps (a persistent scratch
+buffer, state created lazily on the first step, compiled code) is already
+resident by then; that shows in the RSS each optimizer's warm-up added,
+recorded too.
+
 Usage:
     KERAS_BACKEND=jax python integration/bench_adafactor.py [--steps 10] [--quick] [--json out.json]
 """
@@ -279,6 +286,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=None, help="timed steps per optimizer (default 10; 3 with --quick)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation)")
+    ap.add_argument("--mem-steps", type=int, default=2,
+                    help="steps per optimizer for the peak-memory measurement, after the timing (default 2)")
     ap.add_argument("--quick", action="store_true", help="a tiny stack, for smoke tests")
     ap.add_argument("--json", default=None, help="write the results as JSON to this path")
     args = ap.parse_args(argv)
@@ -307,12 +316,20 @@ def main(argv=None):
     gc.collect()
 
     # Warm up (compile) every runner, then interleave the timed steps so that
-    # load changes on a shared machine hit every optimizer alike.
+    # load changes on a shared machine hit every optimizer alike. The RSS a
+    # runner's warm-up adds is recorded: it holds what a step keeps once made
+    # (lazily created state, a persistent scratch buffer) and, on JAX and TF
+    # with XLA, compilation.
+    warmup_growth = {}
     for r in runners:
         print(f"warming up {r.name} ...", flush=True)
+        gc.collect()
+        rss0 = bc.rss_bytes()
         for _ in range(args.warmup):
             r.step()
             r.sync()
+        gc.collect()
+        warmup_growth[r.name] = (bc.rss_bytes() - rss0) / 2**20
     import time
 
     times = {r.name: [] for r in runners}
@@ -322,6 +339,21 @@ def main(argv=None):
             r.step()
             r.sync()
             times[r.name].append((time.perf_counter() - t0) * 1e3)
+
+    # Peak memory of a step: one optimizer at a time (others idle, so their
+    # temporaries cannot mix in), RSS above the RSS just before its steps.
+    peaks = {}
+    for r in runners:
+        gc.collect()
+        mem = bc.PeakRSS()
+        mem.baseline()
+        mem.start()
+        for _ in range(args.mem_steps):
+            r.step()
+            r.sync()
+        peaks[r.name] = mem.stop()
+        print(f"peak memory of a step, {r.name}: +{peaks[r.name]['peak_delta_mb']:.0f} MB "
+              f"({peaks[r.name]['method']}); warm-up added {warmup_growth[r.name]:.0f} MB", flush=True)
 
     results = {}
     for r in runners:
@@ -335,18 +367,26 @@ def main(argv=None):
             "max_ms": float(max(ts)),
             "steps_ms": [round(t, 3) for t in ts],
             "over_floor": med / floor_ms,
+            "peak_delta_mb": peaks[r.name]["peak_delta_mb"],
+            "rss_before_mb": peaks[r.name]["rss_before_mb"],
+            "peak_method": peaks[r.name]["method"],
+            "warmup_rss_growth_mb": warmup_growth[r.name],
         }
     print()
     bc.print_table(
         f"Adafactor on {backend}: {n_params / 1e6:.1f}M params, median of {steps} steps",
-        ["optimizer", "state/params", "step ms (median)", "min", "max", "x floor"],
+        ["optimizer", "state/params", "step ms (median)", "min", "max", "x floor", "step peak MB", "warm-up MB"],
         [
             [n, bc.fmt(v["state_over_params"], ".4f"), bc.fmt(v["median_ms"], ".1f"), bc.fmt(v["min_ms"], ".1f"),
-             bc.fmt(v["max_ms"], ".1f"), bc.fmt(v["over_floor"], ".2f")]
+             bc.fmt(v["max_ms"], ".1f"), bc.fmt(v["over_floor"], ".2f"), bc.fmt(v["peak_delta_mb"], ".0f"),
+             bc.fmt(v["warmup_rss_growth_mb"], ".0f")]
             for n, v in results.items()
         ]
-        + [["memory-bandwidth floor", "-", bc.fmt(floor_ms, ".1f"), "", "", "1.00"]],
+        + [["memory-bandwidth floor", "-", bc.fmt(floor_ms, ".1f"), "", "", "1.00", "", ""]],
     )
+    print("step peak MB: RSS during the step above the RSS before it, one optimizer at a time after the timing; "
+          "warm-up MB: RSS the warm-up steps added (persistent buffers, lazily created state, compilation).\n",
+          flush=True)
 
     ours = results[OURS]
     ratios = []

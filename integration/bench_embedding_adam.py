@@ -18,6 +18,10 @@ What runs where, as each framework's trainer runs it:
   ours and `keras.optimizers.Adam` run as `jax.jit(optimizer.stateless_apply,
   donate_argnums=(0, 2))`, optimizer and trainable variables donated and
   returned in input order (as Keras's JAX trainer), so they update in place.
+  Ours also runs on a `jax.experimental.sparse.BCOO` gradient
+  (`BCOO((values [ids, dim], ids[:, None]), shape=(rows, dim))`, duplicates
+  kept) under the same jit, against Adam on the dense gradient; skipped (and
+  said so) where the installed keras_tpu_optim cannot apply a BCOO gradient.
 - torch: dense gradient (what Keras's torch backend produces), ours and
   `keras.optimizers.Adam` eagerly (`optimizer.apply` under `torch.no_grad()`);
   and a sparse COO gradient (uncoalesced, duplicates kept), ours against
@@ -165,6 +169,39 @@ class KerasJaxRun(Run):
         self._jax.block_until_ready((self.train_vals, self.opt_vals))
 
 
+class KerasJaxBCOORun(KerasJaxRun):
+    """Ours under the same jit as KerasJaxRun, on a BCOO gradient naming the step's ids (duplicates kept)."""
+
+    grad_kind = "BCOO"
+
+    def __init__(self, name, make_opt, table_np, batches):
+        import jax.numpy as jnp
+        from jax.experimental import sparse as jax_sparse
+
+        rows, dim = table_np.shape
+        bcoo = [jax_sparse.BCOO((jnp.asarray(v), jnp.asarray(i, jnp.int32)[:, None]), shape=(rows, dim))
+                for i, v in batches]
+        super().__init__(name, make_opt, table_np, [])
+        self.grads = bcoo
+
+
+def bcoo_supported(make_opt):
+    """None if this keras_tpu_optim applies a BCOO gradient under jax.jit, else why not (older versions cannot)."""
+    try:
+        import jax.numpy as jnp
+        from jax.experimental import sparse as jax_sparse
+
+        table = np.zeros((8, 2), np.float32)
+        run = KerasJaxRun("probe", make_opt, table, [])
+        g = jax_sparse.BCOO((jnp.ones((2, 2), jnp.float32), jnp.asarray([[1], [1]], jnp.int32)), shape=(8, 2))
+        run.grads = [g]
+        run.step(0)
+        run.sync()
+        return None
+    except Exception as e:  # noqa: BLE001  (any failure means: not supported by this version)
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+
+
 class KerasTFRun(Run):
     grad_kind = "IndexedSlices"
 
@@ -306,8 +343,16 @@ def sparse_adam_in_subprocess(args):
 # ---------------------------------------------------------------------- main
 
 
-def configs_for(backend, rows, dim, batches, skip_peers=False):
-    """(label, factory) pairs for one table size on this backend."""
+OURS_BCOO = OURS + " [BCOO]"
+
+
+def configs_for(backend, rows, dim, batches, skip_peers=False, bcoo=False, only=None):
+    """(label, factory) pairs for one table size on this backend (only those whose label contains `only`, if given)."""
+    out = _configs_for(backend, rows, dim, batches, skip_peers, bcoo, only)
+    return [(label, f) for label, f in out if only is None or only in label]
+
+
+def _configs_for(backend, rows, dim, batches, skip_peers, bcoo, only):
     import keras
 
     import keras_tpu_optim
@@ -326,8 +371,11 @@ def configs_for(backend, rows, dim, batches, skip_peers=False):
     elif backend == "jax":
         # Dense V x 64 gradients: keep at most ~1 GB of them.
         n = max(1, min(len(batches), int(1e9 // (rows * dim * 4))))
-        dense = [densify(rows, dim, i, v) for i, v in batches[:n]]
+        # (No dense gradients when only the BCOO configuration runs: they are table-sized.)
+        dense = [] if only == "[BCOO]" else [densify(rows, dim, i, v) for i, v in batches[:n]]
         out.append((OURS, lambda: KerasJaxRun(OURS, ours, table, dense)))
+        if bcoo:
+            out.append((OURS_BCOO, lambda: KerasJaxBCOORun(OURS_BCOO, ours, table, batches)))
         if not skip_peers:
             out.append((ADAM, lambda: KerasJaxRun(ADAM, adam, table, dense)))
     elif backend == "torch":
@@ -345,8 +393,10 @@ def configs_for(backend, rows, dim, batches, skip_peers=False):
     return out
 
 
-def need_bytes(backend, rows, dim):
+def need_bytes(backend, rows, dim, only=None):
     table = rows * dim * 4
+    if backend == "jax" and only == "[BCOO]":  # table, m, v and the numpy table; no dense gradient
+        return table * 4 + (2 << 30)
     # table + m + v of one optimizer, plus a dense gradient and a table-sized temporary;
     # Keras's Adam on eager torch allocates about three more table-sized temporaries
     # (measured: +732 MB at 1M rows), which at 10M rows passed the budget of a 24 GiB machine.
@@ -367,6 +417,9 @@ def main(argv=None):
     ap.add_argument("--mem-budget-gb", type=float, default=None,
                     help="stop (exit 3, report written) if this process's RSS passes this; "
                          "default: memory available at start minus 3 GiB")
+    ap.add_argument("--only", default=None,
+                    help="run only the configurations whose label contains this, e.g. '[BCOO]' "
+                         "(on JAX: then no dense gradients are built, so larger tables fit)")
     ap.add_argument("--quick", action="store_true", help="small tables, for smoke tests")
     ap.add_argument("--json", default=None, help="write the results as JSON to this path")
     ap.add_argument("--_sparse-adam-peer", dest="peer", action="store_true", help=argparse.SUPPRESS)
@@ -405,17 +458,28 @@ def main(argv=None):
 
     MemoryWatchdog(budget, on_exceed)
     print(f"memory budget for this process: {budget / 2**30:.1f} GiB (--mem-budget-gb)\n", flush=True)
+    bcoo = False
+    if backend == "jax":
+        import keras_tpu_optim
+
+        why = bcoo_supported(lambda: keras_tpu_optim.EmbeddingAdam(LR))
+        bcoo = why is None
+        if not bcoo:
+            msg = f"skipping {OURS_BCOO}: this keras_tpu_optim cannot apply a BCOO gradient ({why})"
+            print(msg + "\n", flush=True)
+            skipped.append({"rows": None, "name": OURS_BCOO, "reason": msg})
     for rows in args.sizes:
         avail = available_bytes()
         # The same 3 GiB of headroom as the watchdog's default budget.
-        if avail is not None and need_bytes(backend, rows, args.dim) > avail - (3 << 30):
-            msg = (f"skipping {size_label(rows)} rows: needs ~{need_bytes(backend, rows, args.dim) / 2**30:.1f} GiB, "
+        need = need_bytes(backend, rows, args.dim, args.only)
+        if avail is not None and need > avail - (3 << 30):
+            msg = (f"skipping {size_label(rows)} rows: needs ~{need / 2**30:.1f} GiB, "
                    f"{avail / 2**30:.1f} GiB available (3 GiB kept free)")
             print(msg, flush=True)
             skipped.append({"rows": rows, "reason": msg})
             continue
         batches = make_id_batches(rows, args.ids, 4, args.dim)
-        for label, factory in configs_for(backend, rows, args.dim, batches):
+        for label, factory in configs_for(backend, rows, args.dim, batches, bcoo=bcoo, only=args.only):
             print(f"{size_label(rows):>5} rows: {label} ...", flush=True)
             current.update(name=label, rows=rows)
             rec = measure(factory, args.steps, args.warmup, args.max_seconds)
@@ -473,7 +537,7 @@ def report(backend, args, machine, records, skipped):
             tag = f" [jit_compile={jit}]"
             pairs += [(OURS + tag, ADAM + tag), (OURS + tag, SPARSE_ADAM + " (torch subprocess)")]
     elif backend == "jax":
-        pairs = [(OURS, ADAM)]
+        pairs = [(OURS, ADAM)] + ([(OURS_BCOO, ADAM)] if OURS_BCOO in names else [])
     else:
         pairs = [(OURS + " [dense]", ADAM + " [dense]"), (OURS + " [sparse]", SPARSE_ADAM),
                  (OURS + " [sparse]", ADAM + " [dense]")]
@@ -523,6 +587,14 @@ def report(backend, args, machine, records, skipped):
                                      a["median_ms"] / b["median_ms"] if a and b else None, 1.3))
     elif backend == "jax":
         targets.append(bc.target(f"JAX ours / {ADAM}{at}", ratio(OURS, ADAM), 0.25))
+        if OURS_BCOO in names:
+            targets.append(bc.target(f"JAX ours [BCOO] / {ADAM} [dense]{at}", ratio(OURS_BCOO, ADAM), 0.05))
+            big = 10 * ref if ref and 10 * ref in sizes else None
+            a, b = (get(OURS_BCOO, big), get(OURS_BCOO, ref)) if big else (None, None)
+            targets.append(bc.target(f"JAX ours [BCOO] time({size_label(big) if big else size_label(10 * ref) if ref else '?'})"
+                                     f"/time({size_label(ref) if ref else '?'})",
+                                     a["median_ms"] / b["median_ms"] if a and b else None, 1.3,
+                                     "" if a and b else "larger table not measured"))
     else:
         targets.append(bc.target(f"torch dense ours / {ADAM}{at}", ratio(OURS + " [dense]", ADAM + " [dense]"), 0.1))
         targets.append(bc.target(f"torch sparse ours / {SPARSE_ADAM}{at}", ratio(OURS + " [sparse]", SPARSE_ADAM), 1.0,

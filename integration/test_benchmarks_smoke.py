@@ -45,6 +45,7 @@ def test_bench_adafactor_quick(tmp_path):
     assert "keras_tpu_optim.Adafactor" in data["results"]
     assert "keras.optimizers.Adafactor" in data["results"]
     assert {t["target"] for t in data["targets"]} >= {"state/params", "step / keras.optimizers.Adafactor"}
+    assert all("peak_delta_mb" in v and "warmup_rss_growth_mb" in v for v in data["results"].values())
 
 
 @pytest.mark.skipif(BACKEND not in ("tensorflow", "jax", "torch"), reason="benchmarks cover TF, JAX and torch")
@@ -57,6 +58,9 @@ def test_bench_embedding_adam_quick(tmp_path):
     assert data["backend"] == BACKEND
     names = {r["name"] for r in data["records"] if "error" not in r}
     assert any(n.startswith("keras_tpu_optim.EmbeddingAdam") for n in names), data["records"]
+    if BACKEND == "jax":  # this version accepts BCOO gradients: the BCOO configuration runs, with its targets
+        assert "keras_tpu_optim.EmbeddingAdam [BCOO]" in names, data["records"]
+        assert any("[BCOO]" in t["target"] for t in data["targets"])
     # The report writer accepts what the scripts wrote.
     (tmp_path / "report").mkdir()
     for bench, d in (("embedding_adam", data),):
