@@ -133,3 +133,13 @@ class ProcessGroup:
             # Show what the children said next to the test's own error.
             print(self.logs(), file=sys.stderr)
         return False
+
+
+def run_arrays(out, name):
+    """`(weights, optimizer state)` a worker saved as `out/name.npz` (`w0, w1, ...`, `o0, o1, ...`)."""
+    import numpy as np
+
+    data = np.load(Path(out) / f"{name}.npz")
+    weights = [data[f"w{i}"] for i in range(sum(k.startswith("w") for k in data.files))]
+    state = [data[f"o{i}"] for i in range(sum(k.startswith("o") for k in data.files))]
+    return weights, state

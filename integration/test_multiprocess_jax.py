@@ -22,7 +22,7 @@ import keras
 import numpy as np
 import pytest
 
-from _procs import ProcessGroup, child_env, free_ports
+from _procs import ProcessGroup, child_env, free_ports, run_arrays
 
 BACKEND = keras.backend.backend()
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -56,13 +56,6 @@ def _job(tmp_path, name, num_processes, runs):
         group.wait(JOB_TIMEOUT)
     print(f"{name}: {time.monotonic() - started:.1f} s")
     return out
-
-
-def _arrays(out, name):
-    data = np.load(out / f"{name}.npz")
-    weights = [data[f"w{i}"] for i in range(sum(k.startswith("w") for k in data.files))]
-    state = [data[f"o{i}"] for i in range(sum(k.startswith("o") for k in data.files))]
-    return weights, state
 
 
 def _held(out, name, process_id):
@@ -108,15 +101,15 @@ def test_two_processes_fit_checkpoint_and_resume(tmp_path):
     )
 
     for c in CONFIGS:
-        weights, state = _arrays(out, f"{c}_2x4")
+        weights, state = run_arrays(out, f"{c}_2x4")
         # Two processes equal one process with the same mesh.
-        ref_weights, ref_state = _arrays(out, f"{c}_1x8")
+        ref_weights, ref_state = run_arrays(out, f"{c}_1x8")
         for got, want in zip(weights, ref_weights):
             np.testing.assert_allclose(got, want, rtol=0, atol=2e-7, err_msg=c)
         # Resuming from the checkpoint, on two processes or on one, ends where the
         # uninterrupted run ends: weights and every optimizer variable.
         for resumed in (f"{c}_resumed", f"{c}_resumed_1x8"):
-            got_weights, got_state = _arrays(out, resumed)
+            got_weights, got_state = run_arrays(out, resumed)
             assert len(got_state) == len(state), resumed
             for got, want in zip(got_weights + got_state, weights + state):
                 np.testing.assert_allclose(got, want, rtol=0, atol=2e-7, err_msg=resumed)

@@ -16,7 +16,7 @@ import keras
 import numpy as np
 import pytest
 
-from _procs import ProcessGroup, child_env, free_ports
+from _procs import ProcessGroup, child_env, free_ports, run_arrays
 
 BACKEND = keras.backend.backend()
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -58,13 +58,6 @@ def _job(tmp_path, name, num_workers, runs):
     return out
 
 
-def _arrays(out, name):
-    data = np.load(out / f"{name}.npz")
-    weights = [data[f"w{i}"] for i in range(sum(k.startswith("w") for k in data.files))]
-    state = [data[f"o{i}"] for i in range(sum(k.startswith("o") for k in data.files))]
-    return weights, state
-
-
 def _table_gradient(gradients):
     (kind,) = [kind for variable, kind in gradients.items() if "embedding" in variable]
     return kind
@@ -98,11 +91,11 @@ def test_two_workers_match_one_and_resume(tmp_path):
     )
 
     for c in CONFIGS:
-        weights, state = _arrays(out, f"{c}_mwms")
-        single_weights, _ = _arrays(out, f"{c}_single")
+        weights, state = run_arrays(out, f"{c}_mwms")
+        single_weights, _ = run_arrays(out, f"{c}_single")
         for got, want in zip(weights, single_weights):
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-5, err_msg=c)
-        resumed_weights, resumed_state = _arrays(out, f"{c}_resumed")
+        resumed_weights, resumed_state = run_arrays(out, f"{c}_resumed")
         assert len(resumed_state) == len(state), c
         for got, want in zip(resumed_weights + resumed_state, weights + state):
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-6, err_msg=c)
