@@ -68,7 +68,7 @@ def embedding_adam_step(optimizer, gradient, variable, learning_rate, *, lazy_ro
     slots = optimizer.state_of(variable).slots
     update_rows = functools.partial(
         update_rows_in_float32,
-        learning_rate=optimizer.bias_corrected_learning_rate(learning_rate),
+        learning_rate=optimizer.row_learning_rate(learning_rate),
         options=optimizer.row_update_options(variable),
     )
     if optimizer.lazy_adam:
@@ -85,8 +85,12 @@ def dense_row_update(update_rows, gradient, variable, slots):
         target.assign(value)
 
 
-def update_rows_in_float32(grad, weight, momenta, velocities, *, learning_rate, options):
-    """The row update on rows of any dtype: computed in float32, cast back."""
+def update_rows_in_float32(grad, weight, momenta, velocities, *extra_slots, learning_rate, options):
+    """The row update on rows of any dtype: computed in float32, cast back.
+
+    The slot rows are `options.slot_names`' (`momenta`, `velocities`, then
+    `row_steps` with per-row bias correction, kept as integers).
+    """
     new_values = adam_math.row_update(
         ops.cast(grad, "float32"),
         ops.cast(weight, "float32"),
@@ -94,5 +98,7 @@ def update_rows_in_float32(grad, weight, momenta, velocities, *, learning_rate, 
         ops.cast(velocities, "float32"),
         learning_rate,
         options,
+        *extra_slots,
     )
-    return tuple(ops.cast(new, old.dtype) for new, old in zip(new_values, (weight, momenta, velocities)))
+    old = (weight, momenta, velocities, *extra_slots)
+    return tuple(ops.cast(new, before.dtype) for new, before in zip(new_values, old))

@@ -45,7 +45,7 @@ def embedding_adam_step(optimizer, gradient, variable, learning_rate):
             optimizer,
             neutral.update_rows_in_float32,
             optimizer.row_update_options(variable),
-            optimizer.bias_corrected_learning_rate(learning_rate),
+            optimizer.row_learning_rate(learning_rate),
             gradient,
             variable,
             optimizer.state_of(variable).slots,

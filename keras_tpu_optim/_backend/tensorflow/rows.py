@@ -112,10 +112,14 @@ def _scatter(targets, new_rows, ids):
 
 
 def _accumulator(targets, grad_dtype):
-    """The index of a target that can sum the gradient rows in place: float32 first, else the gradient's dtype."""
+    """The index of a target that can sum the gradient rows in place: float32 first, else the gradient's dtype.
+
+    Only targets of the table's shape qualify (a rowwise second moment or a
+    row step counter has one entry per row).
+    """
     for dtype in (tf.float32, grad_dtype):
         for i, target in enumerate(targets):
-            if target.dtype == dtype:
+            if target.dtype == dtype and target.shape == targets[0].shape:
                 return i
     return None
 
@@ -159,8 +163,8 @@ def compiled_lazy_row_update(
     and scatters. Every id keeps its place, carrying its group's row, so the
     shapes are those of the gradient (one compilation per batch size).
 
-    `row_function(grad, weight, momenta, velocities, *, learning_rate,
-    options)` is the row update; `options` must be hashable.
+    `row_function(grad, weight, *slots, *, learning_rate, options)` is the
+    row update; `options` must be hashable.
     """
     update = compiled_function(
         owner,
