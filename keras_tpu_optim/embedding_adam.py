@@ -271,7 +271,109 @@ class EmbeddingAdam(OptimizerBase):
             slots = self._create_slots_with_user_fn(variable)
         if self.bias_correction == "per_row":
             slots += (_slots.add_slot(self, variable, "row_steps", kept_axes=(0,), dtype="int32"),)
+        if self.lazy_ema:
+            # The EMA updates each row's average reflects (see `ema_step`).
+            slots += (_slots.add_slot(self, variable, "average_steps", kept_axes=(0,), dtype="int32"),)
         return VariableState(slots)
+
+    # ---------------------------------------------------------------- lazy EMA
+
+    @property
+    def lazy_ema(self) -> bool:
+        """Whether the tables' EMA (Keras's `use_ema`) is kept lazily: with `use_ema` and `lazy_adam`.
+
+        Keras updates every average at every step. A row the step did not touch
+        has constant weights, so its average follows in closed form: it is
+        caught up when the row is next touched (in the row update), and every
+        row is caught up wherever the averages are read
+        (`ema_overwrite_frequency`, `finalize_variable_values`, saving,
+        `catch_up_moving_averages`). Per row, an int32 `average_steps` slot
+        counts the EMA updates its average reflects.
+        """
+        return bool(self.use_ema and self.lazy_adam)
+
+    def _lazy_averages(self):
+        """`(variable, average, average_steps)` of every table whose EMA is kept lazily."""
+        if not self.lazy_ema or not self.built:
+            return []
+        variables = _private.trainable_variables(self)
+        averages = _private.moving_averages(self)
+        triples = []
+        for index, (variable, state) in enumerate(zip(variables, self._states)):
+            if state is not None and averages[index] is not None:
+                triples.append((variable, averages[index], state.slots[-1]))
+        return triples
+
+    def row_slots(self, variable) -> tuple:
+        """The slots the row paths gather with the table, in the order of `row_update_options().slot_names`."""
+        slots = self.state_of(variable).slots
+        if self.lazy_ema:
+            slots += (_private.moving_averages(self)[_private.variable_index(self, variable)],)
+        return slots
+
+    def ema_step(self):
+        """The number of this step's EMA update: Keras updates the averages once per `apply` (micro-step)."""
+        if not self.use_ema:
+            return None
+        return ops.cast(_private.raw_iterations(self), "int32")
+
+    def _catch_up(self, count, condition=None):
+        """Catch every row of every lazily averaged table up to `count` EMA updates (where `condition` holds)."""
+        options = self.row_update_options()
+        for variable, average, steps in self._lazy_averages():
+
+            def caught_up(variable=variable, average=average, steps=steps):
+                value = adam_math.ema_catch_up(
+                    ops.cast(variable.value, "float32"), ops.cast(average.value, "float32"), steps.value, count, options
+                )
+                return ops.cast(value, average.dtype), ops.maximum(steps.value, ops.cast(count, steps.dtype))
+
+            if condition is None:
+                new_average, new_steps = caught_up()
+            else:
+                new_average, new_steps = ops.cond(condition, caught_up, lambda a=average, s=steps: (a.value, s.value))
+            average.assign(new_average)
+            steps.assign(new_steps)
+
+    def catch_up_moving_averages(self):
+        """Bring every row's stored EMA up to date with the steps taken so far.
+
+        Reading the EMA through Keras (`ema_overwrite_frequency`,
+        `finalize_variable_values` at the end of `fit`, saving) does this
+        itself; call it before reading `optimizer.variables` directly (e.g.
+        `keras.callbacks.SwapEMAWeights`). Costs one pass over the tables.
+        """
+        self._catch_up(ops.cast(_private.raw_iterations(self), "int32"))
+
+    def _update_model_variables_moving_average(self, trainable_variables):
+        # Keras's hook (_private.EMA_HOOKS), after every step's update.
+        if not self.lazy_ema:
+            return super()._update_model_variables_moving_average(trainable_variables)
+        lazy = {id(variable) for variable, _, _ in self._lazy_averages()}
+        # Keras's own update for variables without a lazy average (none, unless overwritten with gradients).
+        for var, average in zip(trainable_variables, _private.moving_averages(self)):
+            if average is not None and id(var) not in lazy:
+                not_first_step = ops.not_equal(self.iterations, 0)
+                momentum = ops.multiply(ops.cast(not_first_step, var.dtype), self.ema_momentum)
+                average.assign(ops.add(ops.multiply(momentum, average), ops.multiply(ops.subtract(1, momentum), var)))
+        if self.ema_overwrite_frequency:
+            # Keras installs the averages after this step: bring every row up to date first.
+            due = ops.equal((self.iterations + 1) % self.ema_overwrite_frequency, 0)
+            self._catch_up(ops.cast(_private.raw_iterations(self), "int32") + 1, due)
+
+    def _overwrite_model_variables_with_average_value(self, trainable_variables):
+        # Keras's hook (_private.EMA_HOOKS). Inside `apply` every row is already caught up (above).
+        self.catch_up_moving_averages()
+        return super()._overwrite_model_variables_with_average_value(trainable_variables)
+
+    def optional_state_roles(self) -> frozenset:
+        return frozenset({"average_steps"})
+
+    def fill_missing_state(self, variables) -> None:
+        # State saved before the EMA was lazy: its averages were updated at every step.
+        count = ops.cast(_private.raw_iterations(self), "int32")
+        for variable in variables:
+            variable.assign(ops.zeros(variable.shape, variable.dtype) + ops.cast(count, variable.dtype))
 
     def _create_slots_with_user_fn(self, var):
         initializers = [keras.initializers.Zeros() for _ in SLOT_NAMES]
@@ -328,6 +430,8 @@ class EmbeddingAdam(OptimizerBase):
             multiply_weight_decay_factor_by_learning_rate=multiply,
             second_moment=self.second_moment,
             bias_correction=self.bias_correction,
+            ema_momentum=self.ema_momentum if self.lazy_ema else None,
+            ema_copy_updates=self.gradient_accumulation_steps or 1,
         )
 
     def bias_corrected_learning_rate(self, learning_rate=None):

@@ -18,7 +18,7 @@ import pytest
 from keras import ops
 
 import keras_tpu_optim as kto
-from tests.reference.numpy_embedding_adam import NumpyEmbeddingAdam, clip_by_norm
+from tests.reference.numpy_embedding_adam import KerasEma, NumpyEmbeddingAdam, clip_by_norm
 
 BACKEND = keras.backend.backend()
 # "sparse": tf.IndexedSlices, a JAX BCOO, a torch sparse COO tensor.
@@ -1116,6 +1116,194 @@ def test_jax_jit_new_options(gradient):
         target.assign(value)
     variable.assign(trainable_values[0])
     assert_matches_reference(optimizer, variable, reference)
+
+
+# --------------------------------------------------------------------------- lazy EMA
+
+EMA_STEPS = STEP_IDS + [[1], [2, 3], [8], [0, 5, 5]]
+
+
+def average_of(optimizer, variable):
+    matches = [v for v in optimizer.variables if v.name == f"{variable.name}_average"]
+    assert len(matches) == 1, [v.name for v in optimizer.variables]
+    return matches[0]
+
+
+def _ema_run(kind, options, *, momentum=0.8, frequency=None, accumulation=None, steps=EMA_STEPS, shape=(ROWS, DIM),
+             check_lazy=True):
+    """Lazy EMA vs Keras's dense EMA (KerasEma) around the numpy reference: every observable value."""
+    init = initial_table(shape)
+    variable = keras.Variable(init, name="table")
+    optimizer = kto.EmbeddingAdam(learning_rate=0.05, use_ema=True, ema_momentum=momentum,
+                                  ema_overwrite_frequency=frequency, gradient_accumulation_steps=accumulation,
+                                  **options)
+    reference = NumpyEmbeddingAdam(init, learning_rate=0.05, **options)
+    ema = KerasEma(reference, momentum, frequency, accumulation)
+    collected = []
+    for seed, ids in enumerate(steps):
+        values = step_values(ids, seed, shape[1:])
+        average_before = np.array(to_numpy(average_of(optimizer, variable))) if optimizer.built else None
+        optimizer.apply([make_gradient(kind, ids, values, shape)], [variable])
+        if accumulation:
+            collected.append(densify(ids, values, shape))
+            if len(collected) == accumulation:
+                reference.apply_dense(np.mean(collected, axis=0))
+                collected = []
+        else:
+            feed(reference, kind, ids, values)
+        ema.after_apply()
+        # The weights a user sees (overwritten every `frequency` updates) are Keras's.
+        np.testing.assert_allclose(to_numpy(variable), reference.weights, rtol=1e-5, atol=1e-6, err_msg=f"step {seed}")
+        iterations = seed // (accumulation or 1)
+        overwrite = frequency and (iterations + 1) % frequency == 0
+        if check_lazy and average_before is not None and not overwrite and seed:
+            # O(rows touched): the stored averages of untouched rows are not written.
+            untouched = np.setdiff1d(np.arange(shape[0]), ids)
+            np.testing.assert_array_equal(to_numpy(average_of(optimizer, variable))[untouched], average_before[untouched])
+    optimizer.catch_up_moving_averages()
+    np.testing.assert_allclose(to_numpy(average_of(optimizer, variable)), ema.average, rtol=1e-5, atol=1e-6)
+    optimizer.finalize_variable_values([variable])
+    ema.finalize()
+    np.testing.assert_allclose(to_numpy(variable), reference.weights, rtol=1e-5, atol=1e-6)
+    return optimizer, variable
+
+
+EMA_OPTION_CASES = {
+    "defaults": {},
+    "all_options": {"weight_decay_factor": 0.5, "clipvalue": (-0.3, 0.25), "clip_weight_max": 0.07, "epsilon": 0.01},
+    "rowwise_per_row": NEW_OPTIONS,
+}
+
+
+@pytest.mark.parametrize("kind", GRAD_KINDS)
+@pytest.mark.parametrize("frequency", [None, 3])
+@pytest.mark.parametrize("options", list(EMA_OPTION_CASES.values()), ids=list(EMA_OPTION_CASES))
+def test_lazy_ema_equals_keras_dense_ema(kind, frequency, options):
+    _ema_run(kind, options, frequency=frequency)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.5, 0.99, 1.0])
+def test_lazy_ema_momentum_edges(momentum):
+    _ema_run("dense", {}, momentum=momentum, frequency=4)
+
+
+def test_lazy_ema_without_accumulation_of_duplicates():
+    _ema_run("sparse", {"use_gradient_accumulation": False, **NEW_OPTIONS}, frequency=3)
+
+
+@pytest.mark.parametrize("rank", [1, 3])
+def test_lazy_ema_other_ranks(rank):
+    shape = (ROWS,) if rank == 1 else (ROWS, 2, DIM)
+    steps = [[0, 3, 3, 5], [1, 5], [7, 0, 0], [2, 3, 8], [5, 5, 4], [6], [1, 2]]
+    _ema_run("dense", NEW_OPTIONS, frequency=3, steps=steps, shape=shape)
+
+
+@pytest.mark.parametrize("frequency", [None, 2])
+@pytest.mark.parametrize("options", [{}, NEW_OPTIONS], ids=["defaults", "rowwise_per_row"])
+def test_lazy_ema_with_keras_gradient_accumulation(frequency, options):
+    # Keras updates the EMA at every micro-step; the first update's micro-steps copy the weights.
+    _ema_run("dense", options, frequency=frequency, accumulation=2, check_lazy=False)
+
+
+def test_lazy_ema_state_and_not_lazy_keeps_keras_ema():
+    variable = keras.Variable(initial_table(), name="table")
+    optimizer = kto.EmbeddingAdam(use_ema=True)
+    optimizer.build([variable])
+    steps = slot(optimizer, variable, "average_steps")
+    assert tuple(steps.shape) == (ROWS,) and keras.backend.standardize_dtype(steps.dtype) == "int32"
+    dense = kto.EmbeddingAdam(use_ema=True, lazy_adam=False)
+    dense.build([keras.Variable(initial_table(), name="table")])
+    assert not [v for v in dense.variables if v.name.endswith("average_steps")]
+    _ema_run("dense", {"lazy_adam": False}, frequency=3, check_lazy=False)
+
+
+def test_lazy_ema_in_fit_finalizes_to_keras_ema():
+    """`fit` ends with `finalize_variable_values`: the model's weights are Keras's EMA of the trajectory."""
+    from _kto_models import compile_model, make_data, make_model, weights_of
+
+    x, y = make_data("recommender", 96)
+    trajectory = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            trajectory.append(weights_of(self.model))
+
+    plain = compile_model(make_model("recommender"), "recommender", kto.EmbeddingAdam(0.02, **NEW_OPTIONS))
+    plain.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[Record()])
+    averaged = compile_model(make_model("recommender"), "recommender",
+                             kto.EmbeddingAdam(0.02, use_ema=True, ema_momentum=0.7, **NEW_OPTIONS))
+    averaged.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    expected = None
+    for weights in trajectory:
+        weights = [w.astype(np.float64) for w in weights]
+        expected = weights if expected is None else [0.7 * e + 0.3 * w for e, w in zip(expected, weights)]
+    assert len(trajectory) == 6
+    for got, want in zip(weights_of(averaged), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="jax.jit(optimizer.stateless_apply) is JAX's XLA path")
+@pytest.mark.parametrize("gradient", ["dense", "dense_capacity_2", "bcoo"])
+def test_jax_jit_lazy_ema(gradient):
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import sparse as jax_sparse
+
+    options = {**XLA_OPTIONS, **NEW_OPTIONS}
+    init = initial_table()
+    variable = keras.Variable(init, name="table")
+    optimizer = kto.EmbeddingAdam(learning_rate=0.05, use_ema=True, ema_momentum=0.8, ema_overwrite_frequency=3,
+                                  max_touched_rows=2 if gradient.endswith("_2") else None, **options)
+    optimizer.build([variable])
+    reference = NumpyEmbeddingAdam(init, learning_rate=0.05, **options)
+    ema = KerasEma(reference, 0.8, 3)
+    apply = jax.jit(optimizer.stateless_apply, donate_argnums=(0, 2))
+    optimizer_values = [v.value for v in optimizer.variables]
+    trainable_values = [variable.value]
+    for seed, ids in enumerate(EMA_STEPS):
+        values = step_values(ids, seed)
+        if gradient == "bcoo":
+            grad = jax_sparse.BCOO((jnp.asarray(values), jnp.asarray(ids, jnp.int32)[:, None]), shape=init.shape)
+            reference.apply_sparse(ids, values)
+        else:
+            grad = ops.convert_to_tensor(densify(ids, values, init.shape))
+            reference.apply_dense(densify(ids, values, init.shape))
+        ema.after_apply()
+        trainable_values, optimizer_values = apply(optimizer_values, [grad], trainable_values)
+        np.testing.assert_allclose(np.asarray(trainable_values[0]), reference.weights, rtol=1e-5, atol=1e-6)
+    for target, value in zip(optimizer.variables, optimizer_values):
+        target.assign(value)
+    variable.assign(trainable_values[0])
+    optimizer.finalize_variable_values([variable])
+    np.testing.assert_allclose(to_numpy(variable), ema.average, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.function is TensorFlow's graph path")
+@pytest.mark.parametrize("jit_compile", [True, False])
+def test_tensorflow_lazy_ema_in_tf_function(jit_compile):
+    import tensorflow as tf
+
+    options = {**XLA_OPTIONS, **NEW_OPTIONS}
+    init = initial_table()
+    variable = keras.Variable(init, name="table")
+    optimizer = kto.EmbeddingAdam(learning_rate=0.05, use_ema=True, ema_momentum=0.8, ema_overwrite_frequency=3,
+                                  **options)
+    optimizer.build([variable])
+    reference = NumpyEmbeddingAdam(init, learning_rate=0.05, **options)
+    ema = KerasEma(reference, 0.8, 3)
+
+    @tf.function(jit_compile=jit_compile)
+    def train_step(ids, values):
+        optimizer.apply([tf.IndexedSlices(values, ids, dense_shape=tf.constant(init.shape, tf.int32))], [variable])
+
+    for seed, ids in enumerate(EMA_STEPS):
+        values = step_values(ids, seed)
+        train_step(tf.constant(ids, tf.int32), tf.constant(values))
+        reference.apply_sparse(ids, values)
+        ema.after_apply()
+        np.testing.assert_allclose(to_numpy(variable), reference.weights, rtol=1e-5, atol=1e-6)
+    optimizer.finalize_variable_values([variable])
+    np.testing.assert_allclose(to_numpy(variable), ema.average, rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------- slots, config, validation

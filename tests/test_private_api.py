@@ -131,3 +131,34 @@ def test_keras_weight_decay_hook_is_the_one_embedding_adam_overrides():
     optimizer.apply([gradient], [table])
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(table)[1:], 1.0)
     assert np.all(keras.ops.convert_to_numpy(table)[0] < 1.0)
+
+
+def test_raw_iterations_counts_apply_calls_under_gradient_accumulation():
+    variable = keras.Variable(np.ones((3, 2), np.float32))
+    optimizer = built(kto.EmbeddingAdam(gradient_accumulation_steps=2), [variable])
+    for _ in range(3):
+        optimizer.apply([np.ones((3, 2), np.float32)], [variable])
+    assert _private.raw_iterations(optimizer) is optimizer._iterations
+    assert int(keras.ops.convert_to_numpy(_private.raw_iterations(optimizer))) == 3
+    assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == 1
+
+
+@pytest.mark.parametrize("hook", _private.EMA_HOOKS)
+def test_ema_hooks_exist_and_apply_calls_the_update_hook(hook, monkeypatch):
+    """EmbeddingAdam overrides Keras's EMA hooks: they must exist, and `apply` must call the update one."""
+    assert callable(getattr(keras.optimizers.Optimizer, hook))
+    variable = keras.Variable(np.ones((3, 2), np.float32))
+    optimizer = built(kto.EmbeddingAdam(use_ema=True, ema_overwrite_frequency=1), [variable])
+    calls = []
+    original = getattr(kto.EmbeddingAdam, hook)
+
+    def spy(self, *args, **kwargs):
+        calls.append(hook)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(kto.EmbeddingAdam, hook, spy)
+    optimizer.apply([np.ones((3, 2), np.float32)], [variable])
+    if hook == "_update_model_variables_moving_average" or BACKEND != "jax":
+        # (Keras's JAX optimizer overwrites the variables inline rather than through the second hook.)
+        assert calls, f"Keras's apply no longer calls {hook}"
+    optimizer.finalize_variable_values([variable])

@@ -143,6 +143,30 @@ def test_embedding_adam_new_state_saves_loads_and_resumes_exactly(options, tmp_p
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("options", [{}, {"second_moment": "rowwise", "bias_correction": "per_row"}],
+                         ids=["defaults", "rowwise_per_row"])
+def test_embedding_adam_lazy_ema_saves_loads_and_resumes_exactly(options, tmp_path):
+    """Lazy EMA: save in the middle (every row caught up), load, continue: the uninterrupted run's numbers."""
+    x, y = make_data("recommender", 6 * 16)
+    make = lambda: kto.EmbeddingAdam(0.02, use_ema=True, ema_momentum=0.8, ema_overwrite_frequency=4, **options)
+    uninterrupted = compile_model(make_model("recommender"), "recommender", make())
+    uninterrupted.fit(x[:48], y[:48], batch_size=16, epochs=1, shuffle=False, verbose=0)  # ends with finalize
+    path = str(tmp_path / "m.keras")
+    uninterrupted.save(path)
+    steps = [keras.ops.convert_to_numpy(v) for v in uninterrupted.optimizer.variables if v.name.endswith("average_steps")]
+    assert steps and all(np.all(s == 3) for s in steps)  # saving caught every row up
+    uninterrupted.fit(x[48:], y[48:], batch_size=16, epochs=1, shuffle=False, verbose=0)
+
+    resumed = keras.saving.load_model(path)
+    resumed.fit(x[48:], y[48:], batch_size=16, epochs=1, shuffle=False, verbose=0)
+    uninterrupted.optimizer.catch_up_moving_averages()
+    resumed.optimizer.catch_up_moving_averages()
+    for a, b in zip(optimizer_state(uninterrupted.optimizer), optimizer_state(resumed.optimizer)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(weights_of(uninterrupted), weights_of(resumed)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 # ------------------------------------------------------------- safe mode
 
 

@@ -34,11 +34,21 @@ class RowUpdateOptions:
     # "global": `learning_rate` is lr_t (t = iterations + 1); "per_row": it is the
     # uncorrected lr, and each row is corrected with its own count of updates.
     bias_correction: str = "global"
+    # Lazy EMA of the table (Keras's `use_ema` on a lazily updated table): Keras's
+    # `ema_momentum`, and how many of its first EMA updates copy the weights
+    # (momentum 0: 1, or `gradient_accumulation_steps`). None: no lazy EMA.
+    ema_momentum: Optional[float] = None
+    ema_copy_updates: int = 1
+
+    @property
+    def adam_slot_names(self) -> tuple:
+        """The slots `row_update` takes and returns after the weights, in order."""
+        return ("momenta", "velocities") + (("row_steps",) if self.bias_correction == "per_row" else ())
 
     @property
     def slot_names(self) -> tuple:
-        """The slots `row_update` takes and returns after the weights, in order."""
-        return ("momenta", "velocities") + (("row_steps",) if self.bias_correction == "per_row" else ())
+        """Every slot row the row paths gather: `adam_slot_names`, then the lazy EMA's."""
+        return self.adam_slot_names + (("average_steps", "average") if self.ema_momentum is not None else ())
 
 
 def bias_corrected_learning_rate(learning_rate, step, beta_1: float, beta_2: float):
@@ -122,3 +132,46 @@ def row_update(grad, weight, momenta, velocities, learning_rate, options: RowUpd
     if per_row:
         return weight, momenta, velocities, row_steps
     return weight, momenta, velocities
+
+
+def ema_catch_up(weight, average, average_steps, count, options: RowUpdateOptions):
+    """The EMA of rows whose weights have not changed since their average was last updated, after `count` EMA updates.
+
+    Keras updates the average of every variable at every step `e` (0-based):
+    `average = mu_e * average + (1 - mu_e) * w`, with `mu_e = 0` for the first
+    `options.ema_copy_updates` updates (a copy) and `ema_momentum` after. A row
+    whose `w` is constant since its average reflected `average_steps` updates
+    therefore has, after `count` updates, `w + momentum^(count - average_steps)
+    * (average - w)`, or `w` if one of those updates was a copy. Rows already at
+    `count` (or past it) keep their average bit for bit.
+
+    Args:
+        weight, average: `[rows, *row_shape]` float32.
+        average_steps: `[rows]` int32, the EMA updates each row's average reflects.
+        count: scalar int, the EMA updates to catch up to.
+    """
+    steps = ops.cast(average_steps, "int32")
+    count = ops.cast(count, "int32")
+    behind = ops.cast(ops.maximum(count - steps, 0), "float32")
+    factor = ops.power(ops.cast(options.ema_momentum, "float32"), behind)
+    up_to_date = _per_row(steps >= count, weight)
+    copied = _per_row(steps < options.ema_copy_updates, weight)
+    caught_up = weight + _per_row(factor, weight) * (average - weight)
+    return ops.where(up_to_date, average, ops.where(copied, weight, caught_up))
+
+
+def ema_rows(old_weight, new_weight, average, average_steps, ema_step, options: RowUpdateOptions):
+    """Keras's EMA update `ema_step` (0-based) on rows whose weights this step changed from `old_weight` to `new_weight`.
+
+    The rows' averages are first caught up over the updates they missed (with
+    their old, constant weights), then updated as Keras does.
+
+    Returns:
+        `(average, average_steps)` of the rows after the update.
+    """
+    ema_step = ops.cast(ema_step, "int32")
+    before = ema_catch_up(old_weight, average, average_steps, ema_step, options)
+    momentum = ops.where(ema_step < options.ema_copy_updates, 0.0, options.ema_momentum)
+    momentum = ops.cast(momentum, "float32")
+    average = momentum * before + (1.0 - momentum) * new_weight
+    return average, ops.zeros_like(average_steps) + ops.cast(ema_step + 1, average_steps.dtype)

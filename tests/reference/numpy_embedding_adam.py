@@ -200,3 +200,37 @@ class NumpyEmbeddingAdam:
         """Ordinary (non-lazy) Adam on every row."""
         gradient = np.asarray(gradient, np.float64)
         self._update(np.arange(gradient.shape[0]), gradient)
+
+
+class KerasEma:
+    """Keras's `use_ema`, from its documentation and base-optimizer contract, around a reference optimizer.
+
+    At every `apply` (micro-step `s` under `gradient_accumulation_steps=N`),
+    after the update: with `iterations = s // N` (updates before this one),
+    `average = mu * average + (1 - mu) * w` for EVERY row, `mu = 0` when
+    `iterations == 0` (the first update copies `w`) and `ema_momentum` after;
+    the average starts at zeros. With `ema_overwrite_frequency=f`, when
+    `(iterations + 1) % f == 0` the weights are then overwritten by the average.
+    `finalize()` (the end of `fit`) installs the average as the weights.
+    """
+
+    def __init__(self, reference, momentum, overwrite_frequency=None, accumulation_steps=None):
+        self.reference = reference
+        self.momentum = momentum
+        self.overwrite_frequency = overwrite_frequency
+        self.accumulation_steps = accumulation_steps or 1
+        self.average = np.zeros(reference.weights.shape, np.float64)
+        self.micro_steps = 0
+
+    def after_apply(self):
+        """Call after each `apply` of the wrapped reference (or each micro-batch)."""
+        iterations = self.micro_steps // self.accumulation_steps
+        mu = 0.0 if iterations == 0 else self.momentum
+        weights = self.reference.weights.astype(np.float64)
+        self.average = mu * self.average + (1.0 - mu) * weights
+        if self.overwrite_frequency and (iterations + 1) % self.overwrite_frequency == 0:
+            self.reference.weights = self.average.astype(self.reference.weight_dtype)
+        self.micro_steps += 1
+
+    def finalize(self):
+        self.reference.weights = self.average.astype(self.reference.weight_dtype)

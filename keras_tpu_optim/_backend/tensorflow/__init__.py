@@ -48,8 +48,9 @@ def embedding_adam_step(optimizer, gradient, variable, learning_rate):
             optimizer.row_learning_rate(learning_rate),
             gradient,
             variable,
-            optimizer.state_of(variable).slots,
+            optimizer.row_slots(variable),
             accumulate_duplicates=accumulate,
+            ema_step=optimizer.ema_step(),
         )
         return
     neutral.embedding_adam_step(
