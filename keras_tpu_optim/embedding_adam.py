@@ -139,7 +139,8 @@ class EmbeddingAdam(OptimizerBase):
             with `weight_decay_factor`.
         clipnorm, global_clipnorm, use_ema, ema_momentum, ema_overwrite_frequency,
         loss_scale_factor, gradient_accumulation_steps, name: as for every Keras
-            optimizer.
+            optimizer. With `lazy_adam=True` the EMA is kept lazily, at
+            O(rows touched) a step with Keras's numbers (see `lazy_ema`).
     """
 
     def __init__(
