@@ -160,6 +160,7 @@ class OptimizerBase(keras.optimizers.Optimizer):
         """
         if not self.use_ema:
             return
+        self.catch_up_moving_averages()
         averages = _private.moving_averages(self)
         if len(var_list) != len(averages):
             return super().finalize_variable_values(var_list)  # Keras's error.
@@ -200,7 +201,20 @@ class OptimizerBase(keras.optimizers.Optimizer):
 
     # ---------------------------------------------------------------- state
 
+    def catch_up_moving_averages(self):
+        """Bring every stored EMA up to date (subclasses that update it lazily); a no-op here."""
+        return
+
+    def optional_state_roles(self) -> frozenset:
+        """Roles of state a saved state may lack and `fill_missing_state` can derive (subclasses)."""
+        return frozenset()
+
+    def fill_missing_state(self, variables) -> None:
+        """Set state variables a loaded state lacked (their roles are in `optional_state_roles`)."""
+        raise NotImplementedError
+
     def save_own_variables(self, store):
+        self.catch_up_moving_averages()
         for variable in self.variables:
             # A jax.Array split across processes cannot be written by one process.
             if not getattr(variable.value, "is_fully_addressable", True):
@@ -240,7 +254,16 @@ class OptimizerBase(keras.optimizers.Optimizer):
             )
             return
         current = _saving.describe_state(self)
-        pairs, differences = _saving.match_variables(signature, current)
+        # State this version derives when the saved one lacks it (e.g. written before it existed).
+        saved_roles = {entry["role"] for entry in signature["variables"]}
+        missing = [
+            i
+            for i, entry in enumerate(current["variables"])
+            if entry["role"] in self.optional_state_roles() and entry["role"] not in saved_roles
+        ]
+        kept = [i for i in range(len(current["variables"])) if i not in missing]
+        matched = dict(current, variables=[current["variables"][i] for i in kept])
+        pairs, differences = _saving.match_variables(signature, matched)
         if differences and not self.built:
             # Saved slots, none here yet. (State without slots, e.g. an unbuilt optimizer's
             # iterations, loads as Keras's does.)
@@ -255,5 +278,7 @@ class OptimizerBase(keras.optimizers.Optimizer):
             raise _saving.mismatch_error(self, signature, current, differences)
         variables = self.variables
         for saved_position, current_position in pairs:
-            variables[current_position].assign(store[str(saved_position)])
+            variables[kept[current_position]].assign(store[str(saved_position)])
+        if missing:
+            self.fill_missing_state([variables[i] for i in missing])
 

@@ -82,6 +82,18 @@ def moving_averages(optimizer) -> list:
     return list(getattr(optimizer, "_model_variables_moving_average", None) or [])
 
 
+def raw_iterations(optimizer):
+    """The counter of `apply` calls: `iterations` counts updates, this counts micro-steps under
+    `gradient_accumulation_steps` (Keras updates the EMA once per call, so this numbers the EMA updates)."""
+    return optimizer._iterations
+
+
+# Keras's EMA hooks, overridden by EmbeddingAdam (a lazy EMA of its tables): its
+# `apply` calls the first after every step's update, the second to install the
+# averages (on `ema_overwrite_frequency`, and from `finalize_variable_values`).
+EMA_HOOKS = ("_update_model_variables_moving_average", "_overwrite_model_variables_with_average_value")
+
+
 def gradient_accumulators(optimizer) -> list:
     """The gradient accumulators of `gradient_accumulation_steps`, one per model variable."""
     return list(getattr(optimizer, "_accumulated_gradients", None) or [])

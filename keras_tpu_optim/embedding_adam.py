@@ -10,6 +10,16 @@ from keras_tpu_optim._base import OptimizerBase, VariableState
 from keras_tpu_optim._math import embedding_adam as adam_math
 
 SLOT_NAMES = ("momenta", "velocities")
+SECOND_MOMENTS = ("full", "rowwise")
+BIAS_CORRECTIONS = ("global", "per_row")
+
+
+def _check_choice(name, value, choices):
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(
+            f"Argument `{name}` must be one of {', '.join(repr(c) for c in choices)}. Received: {name}={value!r}"
+        )
+    return value
 
 
 def _normalize_clipvalue(clipvalue):
@@ -61,6 +71,13 @@ class EmbeddingAdam(OptimizerBase):
     w  = clip(w, clip_weight_min, clip_weight_max)
     ```
 
+    With `second_moment="rowwise"` a row keeps one `v` (the slot has shape
+    `(rows,)`): `v = beta_2 * v + (1 - beta_2) * mean(g^2 over the row)`, and
+    the row's momenta are divided by `sqrt(v + epsilon^2)` (or
+    `sqrt(v) + epsilon`). With `bias_correction="per_row"` a row's update uses
+    its own count `c` of updates (this one included, kept in an int32
+    `row_steps` slot) in place of `t`.
+
     Args:
         learning_rate: A float, a `keras.optimizers.schedules.LearningRateSchedule`
             instance, or a callable that takes no arguments and returns the
@@ -100,6 +117,15 @@ class EmbeddingAdam(OptimizerBase):
         low_dimensional_packing_status: bool, the TPU's packing of tables of
             dimension 1, 2 and 4. No numerical effect off TPU; carried into the
             TPU configuration and serialized. Defaults to `False`.
+        second_moment: `"full"` (the default: `v` has the table's shape) or
+            `"rowwise"` (one `v` per row, of the mean of `g^2` over the row;
+            the state is `1 + 1/dim` times the table instead of 2 times). A
+            rank-1 table's rows are single elements, so both are the same.
+        bias_correction: `"global"` (the default, the TPU engines' semantics:
+            `t` is the optimizer's step) or `"per_row"` (`t` is the number of
+            updates the row has had, this one included; adds an int32
+            `row_steps` slot of shape `(rows,)`). With `lazy_adam=False`
+            every row is updated every step, so both are the same.
         max_touched_rows: int or None, the static row capacity of one
             gather/update/scatter round for dense gradients on JAX (shapes
             must be static under `jax.jit`). A step that touches more rows
@@ -113,7 +139,8 @@ class EmbeddingAdam(OptimizerBase):
             with `weight_decay_factor`.
         clipnorm, global_clipnorm, use_ema, ema_momentum, ema_overwrite_frequency,
         loss_scale_factor, gradient_accumulation_steps, name: as for every Keras
-            optimizer.
+            optimizer. With `lazy_adam=True` the EMA is kept lazily, at
+            O(rows touched) a step with Keras's numbers (see `lazy_ema`).
     """
 
     def __init__(
@@ -133,6 +160,8 @@ class EmbeddingAdam(OptimizerBase):
         clipvalue=None,
         low_dimensional_packing_status=False,
         max_touched_rows=None,
+        second_moment="full",
+        bias_correction="global",
         weight_decay=None,
         clipnorm=None,
         global_clipnorm=None,
@@ -186,6 +215,8 @@ class EmbeddingAdam(OptimizerBase):
                 f"Received: slot_variable_creation_fn={slot_variable_creation_fn!r}"
             )
         _checks.check_int("max_touched_rows", max_touched_rows, low=1, allow_none=True)
+        _check_choice("second_moment", second_moment, SECOND_MOMENTS)
+        _check_choice("bias_correction", bias_correction, BIAS_CORRECTIONS)
         super().__init__(
             learning_rate=learning_rate,
             name=name,
@@ -216,12 +247,135 @@ class EmbeddingAdam(OptimizerBase):
         self._gradient_clip = gradient_clip
         self.low_dimensional_packing_status = low_dimensional_packing_status
         self.max_touched_rows = max_touched_rows
+        self.second_moment = second_moment
+        self.bias_correction = bias_correction
+
+    def _kept_axes(self, variable, name):
+        """The axes of the table a slot keeps: all (None), or axis 0 for a rowwise `velocities`."""
+        return (0,) if name == "velocities" and self.second_moment == "rowwise" else None
+
+    def _slot_shape(self, variable, name):
+        axes = self._kept_axes(variable, name)
+        return tuple(variable.shape) if axes is None else tuple(variable.shape[i] for i in axes)
 
     def make_state(self, variable) -> VariableState:
-        """The `momenta` and `velocities` slots of a table (made by `slot_variable_creation_fn` if given)."""
+        """A table's slots, in the order of `row_update_options().slot_names`.
+
+        `momenta` and `velocities` (`(rows,)` with `second_moment="rowwise"`),
+        made by `slot_variable_creation_fn` if given; then, with
+        `bias_correction="per_row"`, the int32 `row_steps` of shape `(rows,)`.
+        """
         if self.slot_variable_creation_fn is None:
-            return VariableState(tuple(_slots.add_slot(self, variable, name) for name in SLOT_NAMES))
-        return VariableState(self._create_slots_with_user_fn(variable))
+            slots = tuple(
+                _slots.add_slot(self, variable, name, kept_axes=self._kept_axes(variable, name)) for name in SLOT_NAMES
+            )
+        else:
+            slots = self._create_slots_with_user_fn(variable)
+        if self.bias_correction == "per_row":
+            slots += (_slots.add_slot(self, variable, "row_steps", kept_axes=(0,), dtype="int32"),)
+        if self.lazy_ema:
+            # The EMA updates each row's average reflects (see `ema_step`).
+            slots += (_slots.add_slot(self, variable, "average_steps", kept_axes=(0,), dtype="int32"),)
+        return VariableState(slots)
+
+    # ---------------------------------------------------------------- lazy EMA
+
+    @property
+    def lazy_ema(self) -> bool:
+        """Whether the tables' EMA (Keras's `use_ema`) is kept lazily: with `use_ema` and `lazy_adam`.
+
+        Keras updates every average at every step. A row the step did not touch
+        has constant weights, so its average follows in closed form: it is
+        caught up when the row is next touched (in the row update), and every
+        row is caught up wherever the averages are read
+        (`ema_overwrite_frequency`, `finalize_variable_values`, saving,
+        `catch_up_moving_averages`). Per row, an int32 `average_steps` slot
+        counts the EMA updates its average reflects.
+        """
+        return bool(self.use_ema and self.lazy_adam)
+
+    def _lazy_averages(self):
+        """`(variable, average, average_steps)` of every table whose EMA is kept lazily."""
+        if not self.lazy_ema or not self.built:
+            return []
+        variables = _private.trainable_variables(self)
+        averages = _private.moving_averages(self)
+        triples = []
+        for index, (variable, state) in enumerate(zip(variables, self._states)):
+            if state is not None and averages[index] is not None:
+                triples.append((variable, averages[index], state.slots[-1]))
+        return triples
+
+    def row_slots(self, variable) -> tuple:
+        """The slots the row paths gather with the table, in the order of `row_update_options().slot_names`."""
+        slots = self.state_of(variable).slots
+        if self.lazy_ema:
+            slots += (_private.moving_averages(self)[_private.variable_index(self, variable)],)
+        return slots
+
+    def ema_step(self):
+        """The number of this step's EMA update: Keras updates the averages once per `apply` (micro-step)."""
+        if not self.use_ema:
+            return None
+        return ops.cast(_private.raw_iterations(self), "int32")
+
+    def _catch_up(self, count, condition=None):
+        """Catch every row of every lazily averaged table up to `count` EMA updates (where `condition` holds)."""
+        options = self.row_update_options()
+        for variable, average, steps in self._lazy_averages():
+
+            def caught_up(variable=variable, average=average, steps=steps):
+                value = adam_math.ema_catch_up(
+                    ops.cast(variable.value, "float32"), ops.cast(average.value, "float32"), steps.value, count, options
+                )
+                return ops.cast(value, average.dtype), ops.maximum(steps.value, ops.cast(count, steps.dtype))
+
+            if condition is None:
+                new_average, new_steps = caught_up()
+            else:
+                new_average, new_steps = ops.cond(condition, caught_up, lambda a=average, s=steps: (a.value, s.value))
+            average.assign(new_average)
+            steps.assign(new_steps)
+
+    def catch_up_moving_averages(self):
+        """Bring every row's stored EMA up to date with the steps taken so far.
+
+        Reading the EMA through Keras (`ema_overwrite_frequency`,
+        `finalize_variable_values` at the end of `fit`, saving) does this
+        itself; call it before reading `optimizer.variables` directly (e.g.
+        `keras.callbacks.SwapEMAWeights`). Costs one pass over the tables.
+        """
+        self._catch_up(ops.cast(_private.raw_iterations(self), "int32"))
+
+    def _update_model_variables_moving_average(self, trainable_variables):
+        # Keras's hook (_private.EMA_HOOKS), after every step's update.
+        if not self.lazy_ema:
+            return super()._update_model_variables_moving_average(trainable_variables)
+        lazy = {id(variable) for variable, _, _ in self._lazy_averages()}
+        # Keras's own update for variables without a lazy average (none, unless overwritten with gradients).
+        for var, average in zip(trainable_variables, _private.moving_averages(self)):
+            if average is not None and id(var) not in lazy:
+                not_first_step = ops.not_equal(self.iterations, 0)
+                momentum = ops.multiply(ops.cast(not_first_step, var.dtype), self.ema_momentum)
+                average.assign(ops.add(ops.multiply(momentum, average), ops.multiply(ops.subtract(1, momentum), var)))
+        if self.ema_overwrite_frequency:
+            # Keras installs the averages after this step: bring every row up to date first.
+            due = ops.equal((self.iterations + 1) % self.ema_overwrite_frequency, 0)
+            self._catch_up(ops.cast(_private.raw_iterations(self), "int32") + 1, due)
+
+    def _overwrite_model_variables_with_average_value(self, trainable_variables):
+        # Keras's hook (_private.EMA_HOOKS). Inside `apply` every row is already caught up (above).
+        self.catch_up_moving_averages()
+        return super()._overwrite_model_variables_with_average_value(trainable_variables)
+
+    def optional_state_roles(self) -> frozenset:
+        return frozenset({"average_steps"})
+
+    def fill_missing_state(self, variables) -> None:
+        # State saved before the EMA was lazy: its averages were updated at every step.
+        count = ops.cast(_private.raw_iterations(self), "int32")
+        for variable in variables:
+            variable.assign(ops.zeros(variable.shape, variable.dtype) + ops.cast(count, variable.dtype))
 
     def _create_slots_with_user_fn(self, var):
         initializers = [keras.initializers.Zeros() for _ in SLOT_NAMES]
@@ -233,10 +387,12 @@ class EmbeddingAdam(OptimizerBase):
             )
         for name in SLOT_NAMES:
             slot = slots[name]
-            if not isinstance(slot, keras.Variable) or tuple(slot.shape) != tuple(var.shape):
+            shape = self._slot_shape(var, name)
+            if not isinstance(slot, keras.Variable) or tuple(slot.shape) != shape:
                 raise ValueError(
-                    f"`slot_variable_creation_fn` must return keras.Variables of the table's shape "
-                    f"{tuple(var.shape)}; slot '{name}' is {slot!r}."
+                    f"`slot_variable_creation_fn` must return keras.Variables of shape {shape} for slot "
+                    f"'{name}' (the table's shape, or `(rows,)` for `velocities` with "
+                    f"`second_moment=\"rowwise\"`); slot '{name}' is {slot!r}."
                 )
             if not _private.is_tracked(self, slot):
                 _private.track_variable(self, slot)
@@ -283,6 +439,10 @@ class EmbeddingAdam(OptimizerBase):
             clip_weight_max=self.clip_weight_max,
             weight_decay_factor=decay,
             multiply_weight_decay_factor_by_learning_rate=multiply,
+            second_moment=self.second_moment,
+            bias_correction=self.bias_correction,
+            ema_momentum=self.ema_momentum if self.lazy_ema else None,
+            ema_copy_updates=self.gradient_accumulation_steps or 1,
         )
 
     def bias_corrected_learning_rate(self, learning_rate=None):
@@ -294,6 +454,12 @@ class EmbeddingAdam(OptimizerBase):
             self.beta_1,
             self.beta_2,
         )
+
+    def row_learning_rate(self, learning_rate):
+        """The `learning_rate` `row_update` takes: `lr_t` (global bias correction) or `lr` itself (per row)."""
+        if self.bias_correction == "per_row":
+            return ops.cast(learning_rate, "float32")
+        return self.bias_corrected_learning_rate(learning_rate)
 
     def update_step(self, gradient, variable, learning_rate):
         """Update the rows of `variable` present in `gradient` (all rows if not lazy)."""
@@ -321,6 +487,8 @@ class EmbeddingAdam(OptimizerBase):
                 ),
                 "low_dimensional_packing_status": self.low_dimensional_packing_status,
                 "max_touched_rows": self.max_touched_rows,
+                "second_moment": self.second_moment,
+                "bias_correction": self.bias_correction,
             }
         )
         return config

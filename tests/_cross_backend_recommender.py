@@ -1,11 +1,13 @@
 """Train a small recommender with EmbeddingAdam on the backend KERAS_BACKEND selects.
 
 Run by tests/test_embedding_adam_cross_backend.py once per backend, each in its own
-process: `python tests/_cross_backend_recommender.py INPUT.npz OUTPUT.npz`. INPUT holds
+process: `python tests/_cross_backend_recommender.py INPUT.npz OUTPUT.npz [OPTIONS_JSON]`. INPUT holds
 the initial weights (`embedding`, `kernel`, `bias`) and the data (`ids`, `targets`);
-OUTPUT receives the weights after training, under the same names.
+OUTPUT receives the weights after training, under the same names. OPTIONS_JSON: extra
+EmbeddingAdam keyword arguments.
 """
 
+import json
 import sys
 
 import keras
@@ -28,7 +30,7 @@ def build_model(vocabulary, dim, ids_per_example):
     )
 
 
-def main(input_path, output_path):
+def main(input_path, output_path, options="{}"):
     data = np.load(input_path)
     vocabulary, dim = data["embedding"].shape
     model = build_model(vocabulary, dim, data["ids"].shape[1])
@@ -39,6 +41,7 @@ def main(input_path, output_path):
         weight_decay_factor=0.5,
         multiply_weight_decay_factor_by_learning_rate=True,
         clip_weight_max=0.12,
+        **json.loads(options),
     )
     model.compile(optimizer=optimizer, loss="mse")
     model.fit(data["ids"], data["targets"], batch_size=STEPS_PER_EPOCH_BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
@@ -48,4 +51,4 @@ def main(input_path, output_path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

@@ -75,6 +75,10 @@ EMBEDDING_ADAM_BAD = [
     ({"slot_variable_creation_fn": "zeros"}, "slot_variable_creation_fn"),
     ({"weight_decay": 0.1, "weight_decay_factor": 0.1}, "weight_decay_factor"),
     ({"max_touched_rows": 0}, "max_touched_rows"),
+    ({"second_moment": "diagonal"}, "second_moment"),
+    ({"second_moment": None}, "second_moment"),
+    ({"bias_correction": "row"}, "bias_correction"),
+    ({"bias_correction": True}, "bias_correction"),
 ]
 BAD = (
     [(kto.Adafactor, k, w) for k, w in COMMON_BAD + ADAFACTOR_BAD]

@@ -18,7 +18,7 @@ import pytest
 from keras import ops
 
 import keras_tpu_optim as kto
-from tests.reference.numpy_embedding_adam import NumpyEmbeddingAdam, clip_by_norm
+from tests.reference.numpy_embedding_adam import KerasEma, NumpyEmbeddingAdam, clip_by_norm
 
 BACKEND = keras.backend.backend()
 # "sparse": tf.IndexedSlices, a JAX BCOO, a torch sparse COO tensor.
@@ -121,6 +121,10 @@ def assert_matches_reference(optimizer, variable, reference, rtol=1e-5, atol=1e-
     np.testing.assert_allclose(weights, reference.weights.astype(np.float64), rtol=rtol, atol=atol, err_msg="weights")
     np.testing.assert_allclose(momenta, reference.momenta, rtol=rtol, atol=atol, err_msg="momenta")
     np.testing.assert_allclose(velocities, reference.velocities, rtol=rtol, atol=atol, err_msg="velocities")
+    if getattr(optimizer, "bias_correction", "global") == "per_row":
+        row_steps = slot(optimizer, variable, "row_steps")
+        assert keras.backend.standardize_dtype(row_steps.dtype) == "int32"
+        np.testing.assert_array_equal(ops.convert_to_numpy(row_steps), reference.row_steps, err_msg="row_steps")
 
 
 def run_against_reference(options, kind, *, shape=(ROWS, DIM), steps=STEP_IDS, reference_options=None,
@@ -174,6 +178,24 @@ OPTION_CASES = {
         "epsilon": 0.02, "clipvalue": 0.35, "clip_weight_min": -0.06, "weight_decay_factor": 1.0,
         "multiply_weight_decay_factor_by_learning_rate": True,
     },
+    # Rowwise second moment, per-row bias correction, and both with every other option.
+    "rowwise": {"second_moment": "rowwise"},
+    "rowwise_large_eps": {"second_moment": "rowwise", "epsilon": 0.05},
+    "rowwise_outside_sqrt": {"second_moment": "rowwise", "sum_inside_sqrt": False, "epsilon": 0.05},
+    "per_row": {"bias_correction": "per_row"},
+    "per_row_betas": {"bias_correction": "per_row", "beta_1": 0.5, "beta_2": 0.8},
+    "per_row_beta_1_zero": {"bias_correction": "per_row", "beta_1": 0.0},
+    "per_row_decay_times_lr": {"bias_correction": "per_row", "weight_decay_factor": 2.0,
+                               "multiply_weight_decay_factor_by_learning_rate": True},
+    "rowwise_per_row": {"second_moment": "rowwise", "bias_correction": "per_row"},
+    "rowwise_per_row_all_options": {
+        "second_moment": "rowwise", "bias_correction": "per_row",
+        "beta_1": 0.8, "beta_2": 0.95, "epsilon": 0.01, "sum_inside_sqrt": False, "clipvalue": (None, 0.3),
+        "clip_weight_min": -0.09, "clip_weight_max": 0.08, "weight_decay_factor": 1.5,
+        "multiply_weight_decay_factor_by_learning_rate": True,
+    },
+    "not_lazy_rowwise_per_row": {"lazy_adam": False, "second_moment": "rowwise", "bias_correction": "per_row",
+                                 "weight_decay_factor": 1.5, "multiply_weight_decay_factor_by_learning_rate": True},
 }
 
 
@@ -799,6 +821,491 @@ def test_jax_rounds_on_a_table_of_many_words(max_touched_rows):
     assert_matches_reference(optimizer, variable, reference)
 
 
+# --------------------------------------------------------------------------- rowwise v, per-row bias correction
+
+NEW_OPTIONS = {"second_moment": "rowwise", "bias_correction": "per_row"}
+
+
+@pytest.mark.parametrize("second_moment", ["full", "rowwise"])
+@pytest.mark.parametrize("bias_correction", ["global", "per_row"])
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_slot_shapes_and_dtypes(second_moment, bias_correction, rank):
+    shape = {1: (ROWS,), 2: (ROWS, DIM), 3: (ROWS, 2, DIM)}[rank]
+    variable = keras.Variable(initial_table(shape), name="table")
+    optimizer = kto.EmbeddingAdam(second_moment=second_moment, bias_correction=bias_correction)
+    optimizer.build([variable])
+    layout = {v.name: (tuple(v.shape), keras.backend.standardize_dtype(v.dtype)) for v in optimizer.variables}
+    assert layout["table_momenta"] == (shape, "float32")
+    assert layout["table_velocities"] == ((ROWS,) if second_moment == "rowwise" else shape, "float32")
+    if bias_correction == "per_row":
+        assert layout["table_row_steps"] == ((ROWS,), "int32")
+    else:
+        assert "table_row_steps" not in layout  # created only when an option needs it
+    slots = optimizer.state_of(variable).slots
+    expected = 2 + (bias_correction == "per_row")
+    assert len(slots) == expected
+    if rank == 2 and bias_correction == "global":
+        # The state is (1 + 1/dim) x the table with a rowwise v, 2x with a full one.
+        size = sum(math.prod(s.shape) for s in slots)
+        assert size == (ROWS * DIM + ROWS if second_moment == "rowwise" else 2 * ROWS * DIM)
+
+
+def test_new_options_references_discriminate():
+    """Guards: per-row correction and a rowwise v change the numbers of a lazy run (the tests above test something)."""
+    def final(**options):
+        reference = NumpyEmbeddingAdam(initial_table(), learning_rate=0.05, **options)
+        for seed, ids in enumerate(STEP_IDS):
+            reference.apply_sparse(ids, step_values(ids, seed))
+        return reference
+
+    plain = final()
+    per_row = final(bias_correction="per_row")
+    assert not np.allclose(per_row.weights, plain.weights, rtol=1e-4, atol=1e-6)
+    np.testing.assert_array_equal(per_row.row_steps, [2, 4, 2, 1, 3, 1, 1, 2, 1])
+    rowwise = final(second_moment="rowwise")
+    assert not np.allclose(rowwise.weights, plain.weights, rtol=1e-4, atol=1e-6)
+    assert rowwise.velocities.shape == (ROWS,)
+
+
+@pytest.mark.parametrize("kind", GRAD_KINDS)
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"second_moment": "rowwise"}, {"second_moment": "rowwise", "sum_inside_sqrt": False, "epsilon": 0.01,
+                                         "weight_decay": 1.0, "clipvalue": 0.3, "clip_weight_min": -0.08}],
+    ids=["defaults", "rowwise", "rowwise_all_options"],
+)
+def test_not_lazy_per_row_equals_global(options, kind):
+    """With `lazy_adam=False` every row is updated every step: each row's count is the step, so per_row == global."""
+    init = initial_table()
+    results = {}
+    for bias_correction in ("global", "per_row"):
+        variable = keras.Variable(init, name="table")
+        optimizer = kto.EmbeddingAdam(learning_rate=make_schedule(), lazy_adam=False, bias_correction=bias_correction,
+                                      **options)
+        for seed, ids in enumerate(STEP_IDS):
+            optimizer.apply([make_gradient(kind, ids, step_values(ids, seed), init.shape)], [variable])
+        results[bias_correction] = state(optimizer, variable)
+        if bias_correction == "per_row":
+            np.testing.assert_array_equal(ops.convert_to_numpy(slot(optimizer, variable, "row_steps")),
+                                          np.full(ROWS, len(STEP_IDS)))
+    for name, a, b in zip(("weights", "momenta", "velocities"), results["global"], results["per_row"]):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-8, err_msg=name)
+
+
+@pytest.mark.parametrize("kind", GRAD_KINDS)
+@pytest.mark.parametrize("rank", [1, 2])
+@pytest.mark.parametrize("use_gradient_accumulation", [True, False])
+def test_new_options_untouched_rows_keep_everything_bit_for_bit(kind, rank, use_gradient_accumulation):
+    options = {**LAZY_OPTIONS, **NEW_OPTIONS}
+    if not use_gradient_accumulation:
+        options.pop("clipvalue")
+        options["use_gradient_accumulation"] = False
+    shape = (ROWS, DIM) if rank == 2 else (ROWS,)
+    init = initial_table(shape)
+    variable = keras.Variable(init, name="table")
+    optimizer = kto.EmbeddingAdam(learning_rate=0.05, **options)
+    reference = NumpyEmbeddingAdam(init, learning_rate=0.05, **options)
+    names = ("weights", "momenta", "velocities", "row_steps")
+    for seed, ids in enumerate(STEP_IDS):
+        values = step_values(ids, seed, shape[1:])
+        before = [np.array(x) for x in state(optimizer, variable)] + [
+            ops.convert_to_numpy(slot(optimizer, variable, "row_steps"))] if seed else None
+        optimizer.apply([make_gradient(kind, ids, values, shape)], [variable])
+        feed(reference, kind, ids, values)
+        assert_matches_reference(optimizer, variable, reference)
+        if before is None:
+            continue
+        after = list(state(optimizer, variable)) + [ops.convert_to_numpy(slot(optimizer, variable, "row_steps"))]
+        untouched, touched = np.setdiff1d(np.arange(ROWS), ids), np.unique(ids)
+        for name, old, new in zip(names, before, after):
+            np.testing.assert_array_equal(new[untouched], old[untouched], err_msg=f"untouched {name} changed")
+            assert not np.array_equal(new[touched], old[touched]), f"touched {name} did not change"
+
+
+@pytest.mark.parametrize("kind", GRAD_KINDS)
+@pytest.mark.parametrize("options", [NEW_OPTIONS, {**NEW_OPTIONS, "weight_decay_factor": 0.5, "clipvalue": 0.3,
+                                                   "clip_weight_max": 0.05, "lazy_adam": False}],
+                         ids=["lazy", "not_lazy_decay_and_clipping"])
+def test_new_options_rank_1_variable(options, kind):
+    steps = [[0, 3, 3, 5], [1, 5], [7, 0, 0], [2, 3, 8], [5, 5, 4]]
+    run_against_reference(options, kind, shape=(ROWS,), steps=steps)
+
+
+@pytest.mark.parametrize("kind", GRAD_KINDS)
+def test_new_options_rank_3_variable(kind):
+    """Rows of shape (2, DIM): the rowwise v is the mean of g^2 over the whole row."""
+    run_against_reference({**NEW_OPTIONS, "weight_decay_factor": 0.5}, kind, shape=(ROWS, 2, DIM))
+
+
+@pytest.mark.parametrize("kind", GRAD_KINDS)
+def test_new_options_with_a_schedule(kind):
+    options = {**NEW_OPTIONS, "epsilon": 0.01, "weight_decay_factor": 1.0,
+               "multiply_weight_decay_factor_by_learning_rate": True}
+    run_against_reference(options, kind, learning_rate=make_schedule(), reference_learning_rate=schedule_reference)
+
+
+def test_new_options_with_keras_weight_decay():
+    init = initial_table()
+    variable = keras.Variable(init, name="table")
+    optimizer = kto.EmbeddingAdam(learning_rate=0.05, weight_decay=2.0, **NEW_OPTIONS)
+    reference = NumpyEmbeddingAdam(init, learning_rate=0.05, weight_decay_factor=2.0,
+                                   multiply_weight_decay_factor_by_learning_rate=True, **NEW_OPTIONS)
+    for seed, ids in enumerate(STEP_IDS):
+        values = step_values(ids, seed)
+        optimizer.apply([make_gradient("dense", ids, values, init.shape)], [variable])
+        reference.apply_dense(densify(ids, values, init.shape))
+        assert_matches_reference(optimizer, variable, reference)
+
+
+@pytest.mark.parametrize("kind", GRAD_KINDS)
+def test_new_options_under_loss_scale_optimizer(kind):
+    if BACKEND == "torch" and kind == "sparse":
+        pytest.skip("Keras's LossScaleOptimizer calls torch.isfinite on the gradient, which has no sparse kernel "
+                    "(whatever the optimizer's options)")
+    init = initial_table()
+    variable = keras.Variable(init, name="table")
+    options = {**NEW_OPTIONS, "clipvalue": (-0.25, 0.3)}
+    optimizer = keras.optimizers.LossScaleOptimizer(kto.EmbeddingAdam(learning_rate=0.05, **options),
+                                                    initial_scale=2.0**10, dynamic_growth_steps=1000)
+    optimizer.build([variable])
+    reference = NumpyEmbeddingAdam(init, learning_rate=0.05, **options)
+    if BACKEND == "jax":
+        import jax
+
+        apply = jax.jit(optimizer.stateless_apply)
+    for seed, ids in enumerate(STEP_IDS):
+        values = step_values(ids, seed)
+        gradient = make_gradient(kind, ids, values * 2.0**10, init.shape)
+        if BACKEND == "jax":
+            trainable, state_values = apply([v.value for v in optimizer.variables], [gradient], [variable.value])
+            for target, value in zip([variable, *optimizer.variables], [*trainable, *state_values]):
+                target.assign(value)
+        else:
+            optimizer.apply([gradient], [variable])
+        feed(reference, kind, ids, values)
+        assert_matches_reference(optimizer.inner_optimizer, variable, reference)
+
+
+def test_new_options_with_keras_gradient_accumulation():
+    """Keras's `gradient_accumulation_steps`: one update on the mean; a row's count grows per update."""
+    init = initial_table()
+    variable = keras.Variable(init, name="table")
+    optimizer = kto.EmbeddingAdam(learning_rate=0.05, gradient_accumulation_steps=2, **NEW_OPTIONS)
+    reference = NumpyEmbeddingAdam(init, learning_rate=0.05, **NEW_OPTIONS)
+    collected = []
+    for position, ids in enumerate(STEP_IDS[:4]):
+        gradient = densify(ids, step_values(ids, position), init.shape)
+        optimizer.apply([ops.convert_to_tensor(gradient)], [variable])
+        collected.append(gradient)
+        if len(collected) == 2:
+            reference.apply_dense(np.mean(collected, axis=0))
+            collected = []
+            assert_matches_reference(optimizer, variable, reference)
+
+
+def test_new_options_skipped_nonfinite_step_leaves_row_steps():
+    init = initial_table()
+    variable = keras.Variable(init, name="table")
+    optimizer = kto.EmbeddingAdam(learning_rate=0.05, skip_nonfinite_updates=True, **NEW_OPTIONS)
+    reference = NumpyEmbeddingAdam(init, learning_rate=0.05, **NEW_OPTIONS)
+    for seed, ids in enumerate(STEP_IDS[:3]):
+        values = step_values(ids, seed)
+        if seed == 1:
+            bad = densify(ids, values, init.shape)
+            bad[ids[0], 0] = np.nan
+            optimizer.apply([ops.convert_to_tensor(bad)], [variable])
+            assert_matches_reference(optimizer, variable, reference)
+        optimizer.apply([make_gradient("dense", ids, values, init.shape)], [variable])
+        reference.apply_dense(densify(ids, values, init.shape))
+        assert_matches_reference(optimizer, variable, reference)
+
+
+@pytest.mark.parametrize("kind", GRAD_KINDS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_new_options_table_dtypes(dtype, kind):
+    numpy_dtype = _bfloat16() if dtype == "bfloat16" else np.dtype(dtype)
+    init = (np.round(initial_table() * 256) / 256).astype(np.float32)
+    variable = keras.Variable(init, name="table", dtype=dtype)
+    options = {**NEW_OPTIONS, "weight_decay_factor": 0.5, "clipvalue": 0.4}
+    optimizer = kto.EmbeddingAdam(learning_rate=0.05, **options)
+    reference = NumpyEmbeddingAdam(init, learning_rate=0.05, weight_dtype=numpy_dtype, **options)
+    ulp = {"bfloat16": 2.0**-7, "float16": 2.0**-10}[dtype]
+    for seed, ids in enumerate(STEP_IDS[:4]):
+        values = np.round(step_values(ids, seed) * 64) / 64
+        optimizer.apply([make_gradient(kind, ids, values, init.shape, dtype)], [variable])
+        feed(reference, kind, ids, values)
+    for name in ("momenta", "velocities"):
+        assert keras.backend.standardize_dtype(slot(optimizer, variable, name).dtype) == "float32"
+    weights, momenta, velocities = state(optimizer, variable)
+    np.testing.assert_allclose(weights, reference.weights.astype(np.float64), rtol=4 * ulp, atol=4 * ulp * 0.1)
+    np.testing.assert_allclose(momenta, reference.momenta, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(velocities, reference.velocities, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(ops.convert_to_numpy(slot(optimizer, variable, "row_steps")), reference.row_steps)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.function(jit_compile=True) is TensorFlow's XLA path")
+@pytest.mark.parametrize("use_gradient_accumulation", [True, False])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("jit_compile", [True, False])
+def test_tensorflow_new_options_with_indexed_slices_in_tf_function(use_gradient_accumulation, dtype, jit_compile):
+    import tensorflow as tf
+
+    options = {**XLA_OPTIONS, **NEW_OPTIONS}
+    if not use_gradient_accumulation:
+        options.pop("clipvalue")
+        options["use_gradient_accumulation"] = False
+    numpy_dtype = _bfloat16() if dtype == "bfloat16" else np.dtype(dtype)
+    init = (np.round(initial_table() * 256) / 256).astype(np.float32)
+    variable = keras.Variable(init, name="table", dtype=dtype)
+    optimizer = kto.EmbeddingAdam(learning_rate=make_schedule(), **options)
+    optimizer.build([variable])
+    reference = NumpyEmbeddingAdam(init, learning_rate=schedule_reference, weight_dtype=numpy_dtype, **options)
+
+    @tf.function(jit_compile=jit_compile)
+    def train_step(ids, values):
+        gradient = tf.IndexedSlices(values, ids, dense_shape=tf.constant(init.shape, tf.int32))
+        optimizer.apply([gradient], [variable])
+
+    ulp = 2.0**-7 if dtype == "bfloat16" else 2.0**-23
+    for seed, ids in enumerate(STEP_IDS + [[3, 3, 3, 3], [], [8, 0, 8, 0, 8]]):
+        values = np.round(step_values(ids, seed) * 64) / 64
+        train_step(tf.constant(ids, tf.int64, shape=[len(ids)]), tf.constant(values.astype(numpy_dtype)))
+        reference.apply_sparse(np.asarray(ids, np.int64), values)
+        weights, momenta, velocities = state(optimizer, variable)
+        np.testing.assert_allclose(weights, reference.weights.astype(np.float64), rtol=4 * ulp, atol=1e-6)
+        np.testing.assert_allclose(momenta, reference.momenta, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(velocities, reference.velocities, rtol=1e-5, atol=1e-7)
+        np.testing.assert_array_equal(ops.convert_to_numpy(slot(optimizer, variable, "row_steps")), reference.row_steps)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="jax.jit(optimizer.stateless_apply) is JAX's XLA path")
+@pytest.mark.parametrize("gradient", ["dense", "dense_capacity_2", "bcoo", "bcoo_last_wins"])
+def test_jax_jit_new_options(gradient):
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import sparse as jax_sparse
+
+    options = {**XLA_OPTIONS, **NEW_OPTIONS}
+    if gradient == "bcoo_last_wins":
+        options.pop("clipvalue")
+        options["use_gradient_accumulation"] = False
+    init = initial_table()
+    variable = keras.Variable(init, name="table")
+    optimizer = kto.EmbeddingAdam(learning_rate=make_schedule(), max_touched_rows=2 if gradient.endswith("_2") else None,
+                                  **options)
+    optimizer.build([variable])
+    reference = NumpyEmbeddingAdam(init, learning_rate=schedule_reference, **options)
+    apply = jax.jit(optimizer.stateless_apply, donate_argnums=(0, 2))
+    optimizer_values = [v.value for v in optimizer.variables]
+    trainable_values = [variable.value]
+    for seed, ids in enumerate(STEP_IDS):
+        values = step_values(ids, seed)
+        if gradient.startswith("bcoo"):
+            grad = jax_sparse.BCOO((jnp.asarray(values), jnp.asarray(ids, jnp.int32)[:, None]), shape=init.shape)
+            reference.apply_sparse(ids, values)
+        else:
+            grad = ops.convert_to_tensor(densify(ids, values, init.shape))
+            reference.apply_dense(densify(ids, values, init.shape))
+        before = [np.array(v) for v in [trainable_values[0], *optimizer_values]]
+        trainable_values, optimizer_values = apply(optimizer_values, [grad], trainable_values)
+        untouched = np.setdiff1d(np.arange(ROWS), ids)
+        for old, new in zip(before, [np.asarray(v) for v in [trainable_values[0], *optimizer_values]]):
+            if old.ndim and old.shape[0] == ROWS:  # the table and every slot, bit for bit on untouched rows
+                np.testing.assert_array_equal(new[untouched], old[untouched])
+    for target, value in zip(optimizer.variables, optimizer_values):
+        target.assign(value)
+    variable.assign(trainable_values[0])
+    assert_matches_reference(optimizer, variable, reference)
+
+
+# --------------------------------------------------------------------------- lazy EMA
+
+EMA_STEPS = STEP_IDS + [[1], [2, 3], [8], [0, 5, 5]]
+
+
+def average_of(optimizer, variable):
+    matches = [v for v in optimizer.variables if v.name == f"{variable.name}_average"]
+    assert len(matches) == 1, [v.name for v in optimizer.variables]
+    return matches[0]
+
+
+def _ema_run(kind, options, *, momentum=0.8, frequency=None, accumulation=None, steps=EMA_STEPS, shape=(ROWS, DIM),
+             check_lazy=True):
+    """Lazy EMA vs Keras's dense EMA (KerasEma) around the numpy reference: every observable value."""
+    init = initial_table(shape)
+    variable = keras.Variable(init, name="table")
+    optimizer = kto.EmbeddingAdam(learning_rate=0.05, use_ema=True, ema_momentum=momentum,
+                                  ema_overwrite_frequency=frequency, gradient_accumulation_steps=accumulation,
+                                  **options)
+    reference = NumpyEmbeddingAdam(init, learning_rate=0.05, **options)
+    ema = KerasEma(reference, momentum, frequency, accumulation)
+    collected = []
+    for seed, ids in enumerate(steps):
+        values = step_values(ids, seed, shape[1:])
+        average_before = np.array(to_numpy(average_of(optimizer, variable))) if optimizer.built else None
+        optimizer.apply([make_gradient(kind, ids, values, shape)], [variable])
+        if accumulation:
+            collected.append(densify(ids, values, shape))
+            if len(collected) == accumulation:
+                reference.apply_dense(np.mean(collected, axis=0))
+                collected = []
+        else:
+            feed(reference, kind, ids, values)
+        ema.after_apply()
+        # The weights a user sees (overwritten every `frequency` updates) are Keras's.
+        np.testing.assert_allclose(to_numpy(variable), reference.weights, rtol=1e-5, atol=1e-6, err_msg=f"step {seed}")
+        iterations = seed // (accumulation or 1)
+        overwrite = frequency and (iterations + 1) % frequency == 0
+        if check_lazy and average_before is not None and not overwrite and seed:
+            # O(rows touched): the stored averages of untouched rows are not written.
+            untouched = np.setdiff1d(np.arange(shape[0]), ids)
+            np.testing.assert_array_equal(to_numpy(average_of(optimizer, variable))[untouched], average_before[untouched])
+    optimizer.catch_up_moving_averages()
+    np.testing.assert_allclose(to_numpy(average_of(optimizer, variable)), ema.average, rtol=1e-5, atol=1e-6)
+    optimizer.finalize_variable_values([variable])
+    ema.finalize()
+    np.testing.assert_allclose(to_numpy(variable), reference.weights, rtol=1e-5, atol=1e-6)
+    return optimizer, variable
+
+
+EMA_OPTION_CASES = {
+    "defaults": {},
+    "all_options": {"weight_decay_factor": 0.5, "clipvalue": (-0.3, 0.25), "clip_weight_max": 0.07, "epsilon": 0.01},
+    "rowwise_per_row": NEW_OPTIONS,
+}
+
+
+@pytest.mark.parametrize("kind", GRAD_KINDS)
+@pytest.mark.parametrize("frequency", [None, 3])
+@pytest.mark.parametrize("options", list(EMA_OPTION_CASES.values()), ids=list(EMA_OPTION_CASES))
+def test_lazy_ema_equals_keras_dense_ema(kind, frequency, options):
+    _ema_run(kind, options, frequency=frequency)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.5, 0.99, 1.0])
+def test_lazy_ema_momentum_edges(momentum):
+    _ema_run("dense", {}, momentum=momentum, frequency=4)
+
+
+def test_lazy_ema_without_accumulation_of_duplicates():
+    _ema_run("sparse", {"use_gradient_accumulation": False, **NEW_OPTIONS}, frequency=3)
+
+
+@pytest.mark.parametrize("rank", [1, 3])
+def test_lazy_ema_other_ranks(rank):
+    shape = (ROWS,) if rank == 1 else (ROWS, 2, DIM)
+    steps = [[0, 3, 3, 5], [1, 5], [7, 0, 0], [2, 3, 8], [5, 5, 4], [6], [1, 2]]
+    _ema_run("dense", NEW_OPTIONS, frequency=3, steps=steps, shape=shape)
+
+
+@pytest.mark.parametrize("frequency", [None, 2])
+@pytest.mark.parametrize("options", [{}, NEW_OPTIONS], ids=["defaults", "rowwise_per_row"])
+def test_lazy_ema_with_keras_gradient_accumulation(frequency, options):
+    # Keras updates the EMA at every micro-step; the first update's micro-steps copy the weights.
+    _ema_run("dense", options, frequency=frequency, accumulation=2, check_lazy=False)
+
+
+def test_lazy_ema_state_and_not_lazy_keeps_keras_ema():
+    variable = keras.Variable(initial_table(), name="table")
+    optimizer = kto.EmbeddingAdam(use_ema=True)
+    optimizer.build([variable])
+    steps = slot(optimizer, variable, "average_steps")
+    assert tuple(steps.shape) == (ROWS,) and keras.backend.standardize_dtype(steps.dtype) == "int32"
+    dense = kto.EmbeddingAdam(use_ema=True, lazy_adam=False)
+    dense.build([keras.Variable(initial_table(), name="table")])
+    assert not [v for v in dense.variables if v.name.endswith("average_steps")]
+    _ema_run("dense", {"lazy_adam": False}, frequency=3, check_lazy=False)
+
+
+def test_lazy_ema_in_fit_finalizes_to_keras_ema():
+    """`fit` ends with `finalize_variable_values`: the model's weights are Keras's EMA of the trajectory."""
+    from _kto_models import compile_model, make_data, make_model, weights_of
+
+    x, y = make_data("recommender", 96)
+    trajectory = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            trajectory.append(weights_of(self.model))
+
+    plain = compile_model(make_model("recommender"), "recommender", kto.EmbeddingAdam(0.02, **NEW_OPTIONS))
+    plain.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[Record()])
+    averaged = compile_model(make_model("recommender"), "recommender",
+                             kto.EmbeddingAdam(0.02, use_ema=True, ema_momentum=0.7, **NEW_OPTIONS))
+    averaged.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    expected = None
+    for weights in trajectory:
+        weights = [w.astype(np.float64) for w in weights]
+        expected = weights if expected is None else [0.7 * e + 0.3 * w for e, w in zip(expected, weights)]
+    assert len(trajectory) == 6
+    for got, want in zip(weights_of(averaged), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="jax.jit(optimizer.stateless_apply) is JAX's XLA path")
+@pytest.mark.parametrize("gradient", ["dense", "dense_capacity_2", "bcoo"])
+def test_jax_jit_lazy_ema(gradient):
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import sparse as jax_sparse
+
+    options = {**XLA_OPTIONS, **NEW_OPTIONS}
+    init = initial_table()
+    variable = keras.Variable(init, name="table")
+    optimizer = kto.EmbeddingAdam(learning_rate=0.05, use_ema=True, ema_momentum=0.8, ema_overwrite_frequency=3,
+                                  max_touched_rows=2 if gradient.endswith("_2") else None, **options)
+    optimizer.build([variable])
+    reference = NumpyEmbeddingAdam(init, learning_rate=0.05, **options)
+    ema = KerasEma(reference, 0.8, 3)
+    apply = jax.jit(optimizer.stateless_apply, donate_argnums=(0, 2))
+    optimizer_values = [v.value for v in optimizer.variables]
+    trainable_values = [variable.value]
+    for seed, ids in enumerate(EMA_STEPS):
+        values = step_values(ids, seed)
+        if gradient == "bcoo":
+            grad = jax_sparse.BCOO((jnp.asarray(values), jnp.asarray(ids, jnp.int32)[:, None]), shape=init.shape)
+            reference.apply_sparse(ids, values)
+        else:
+            grad = ops.convert_to_tensor(densify(ids, values, init.shape))
+            reference.apply_dense(densify(ids, values, init.shape))
+        ema.after_apply()
+        trainable_values, optimizer_values = apply(optimizer_values, [grad], trainable_values)
+        np.testing.assert_allclose(np.asarray(trainable_values[0]), reference.weights, rtol=1e-5, atol=1e-6)
+    for target, value in zip(optimizer.variables, optimizer_values):
+        target.assign(value)
+    variable.assign(trainable_values[0])
+    optimizer.finalize_variable_values([variable])
+    np.testing.assert_allclose(to_numpy(variable), ema.average, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.function is TensorFlow's graph path")
+@pytest.mark.parametrize("jit_compile", [True, False])
+def test_tensorflow_lazy_ema_in_tf_function(jit_compile):
+    import tensorflow as tf
+
+    options = {**XLA_OPTIONS, **NEW_OPTIONS}
+    init = initial_table()
+    variable = keras.Variable(init, name="table")
+    optimizer = kto.EmbeddingAdam(learning_rate=0.05, use_ema=True, ema_momentum=0.8, ema_overwrite_frequency=3,
+                                  **options)
+    optimizer.build([variable])
+    reference = NumpyEmbeddingAdam(init, learning_rate=0.05, **options)
+    ema = KerasEma(reference, 0.8, 3)
+
+    @tf.function(jit_compile=jit_compile)
+    def train_step(ids, values):
+        optimizer.apply([tf.IndexedSlices(values, ids, dense_shape=tf.constant(init.shape, tf.int32))], [variable])
+
+    for seed, ids in enumerate(EMA_STEPS):
+        values = step_values(ids, seed)
+        train_step(tf.constant(ids, tf.int32), tf.constant(values))
+        reference.apply_sparse(ids, values)
+        ema.after_apply()
+        np.testing.assert_allclose(to_numpy(variable), reference.weights, rtol=1e-5, atol=1e-6)
+    optimizer.finalize_variable_values([variable])
+    np.testing.assert_allclose(to_numpy(variable), ema.average, rtol=1e-5, atol=1e-6)
+
+
 # --------------------------------------------------------------------------- slots, config, validation
 
 def test_slot_variable_creation_fn_is_used():
@@ -834,6 +1341,7 @@ FULL_CONFIG = dict(
     clip_weight_min=-0.09, clip_weight_max=0.08, weight_decay_factor=0.3,
     multiply_weight_decay_factor_by_learning_rate=True, clipvalue=(-0.2, None),
     low_dimensional_packing_status=True, max_touched_rows=4096, clipnorm=5.0,
+    second_moment="rowwise", bias_correction="per_row",
 )
 
 
@@ -880,6 +1388,32 @@ def registered_slot_fn(variable, slot_names, initializers):
             for name, init in zip(slot_names, initializers)}
 
 
+def test_slot_variable_creation_fn_with_the_new_options():
+    """The user's function makes `momenta` and `velocities` (of shape `(rows,)` when rowwise); `row_steps` is ours."""
+    def create_slots(variable, slot_names, initializers):
+        shapes = {"momenta": variable.shape, "velocities": variable.shape[:1]}
+        return {name: keras.Variable(init(shapes[name], "float32"), name=f"custom_{name}", trainable=False)
+                for name, init in zip(slot_names, initializers)}
+
+    init = initial_table()
+    variable = keras.Variable(init, name="table")
+    optimizer = kto.EmbeddingAdam(learning_rate=0.05, slot_variable_creation_fn=create_slots, **NEW_OPTIONS)
+    reference = NumpyEmbeddingAdam(init, learning_rate=0.05, **NEW_OPTIONS)
+    for seed, ids in enumerate(STEP_IDS[:3]):
+        values = step_values(ids, seed)
+        optimizer.apply([make_gradient("dense", ids, values, init.shape)], [variable])
+        reference.apply_dense(densify(ids, values, init.shape))
+    by_name = {v.name: v for v in optimizer.variables}
+    np.testing.assert_allclose(to_numpy(by_name["custom_velocities"]), reference.velocities, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(ops.convert_to_numpy(by_name["table_row_steps"]), reference.row_steps)
+    np.testing.assert_allclose(to_numpy(variable), reference.weights, rtol=1e-5, atol=1e-6)
+
+    # A full-size velocities slot does not fit a rowwise second moment.
+    wrong = kto.EmbeddingAdam(slot_variable_creation_fn=registered_slot_fn, second_moment="rowwise")
+    with pytest.raises(ValueError, match=r"\(9,\) for slot 'velocities'"):
+        wrong.build([keras.Variable(init, name="table")])
+
+
 def test_registered_slot_variable_creation_fn_round_trips():
     optimizer = kto.EmbeddingAdam(slot_variable_creation_fn=registered_slot_fn)
     restored = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
@@ -902,6 +1436,8 @@ def test_registered_slot_variable_creation_fn_round_trips():
         ({"clipvalue": (1.0, -1.0)}, "clipvalue"),
         ({"slot_variable_creation_fn": "not callable"}, "slot_variable_creation_fn"),
         ({"weight_decay": 0.1, "weight_decay_factor": 0.1}, "weight_decay"),
+        ({"second_moment": "factored"}, "second_moment"),
+        ({"bias_correction": "local"}, "bias_correction"),
     ],
 )
 def test_validation_errors_name_the_argument(kwargs, argument):

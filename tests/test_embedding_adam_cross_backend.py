@@ -9,6 +9,7 @@ test launches tests/_cross_backend_recommender.py in one subprocess per backend
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -27,7 +28,10 @@ VOCABULARY, DIM, IDS_PER_EXAMPLE, EXAMPLES = 40, 6, 4, 64
     keras.backend.backend() != "jax",
     reason="runs once per suite, from the JAX session: it starts a TensorFlow, a JAX and a torch subprocess itself",
 )
-def test_same_recommender_same_weights_on_tensorflow_jax_and_torch(tmp_path):
+@pytest.mark.parametrize(
+    "options", [{}, {"second_moment": "rowwise", "bias_correction": "per_row"}], ids=["defaults", "rowwise_per_row"]
+)
+def test_same_recommender_same_weights_on_tensorflow_jax_and_torch(options, tmp_path):
     rng = np.random.default_rng(7)
     initial = {
         "embedding": rng.uniform(-0.1, 0.1, (VOCABULARY, DIM)).astype(np.float32),
@@ -46,7 +50,7 @@ def test_same_recommender_same_weights_on_tensorflow_jax_and_torch(tmp_path):
         env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo_root), env.get("PYTHONPATH")]))
         processes[backend] = subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(input_path), str(tmp_path / f"{backend}.npz")],
+            [sys.executable, str(SCRIPT), str(input_path), str(tmp_path / f"{backend}.npz"), json.dumps(options)],
             env=env, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
     results = {}

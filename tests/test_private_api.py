@@ -151,3 +151,34 @@ def test_layout_map_of_a_distribution():
     layout_map = keras.distribution.LayoutMap(mesh)
     assert _private.layout_map(keras.distribution.ModelParallel(layout_map=layout_map)) is layout_map
     assert _private.layout_map(keras.distribution.DataParallel(devices=keras.distribution.list_devices()[:2])) is None
+
+
+def test_raw_iterations_counts_apply_calls_under_gradient_accumulation():
+    variable = keras.Variable(np.ones((3, 2), np.float32))
+    optimizer = built(kto.EmbeddingAdam(gradient_accumulation_steps=2), [variable])
+    for _ in range(3):
+        optimizer.apply([np.ones((3, 2), np.float32)], [variable])
+    assert _private.raw_iterations(optimizer) is optimizer._iterations
+    assert int(keras.ops.convert_to_numpy(_private.raw_iterations(optimizer))) == 3
+    assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == 1
+
+
+@pytest.mark.parametrize("hook", _private.EMA_HOOKS)
+def test_ema_hooks_exist_and_apply_calls_the_update_hook(hook, monkeypatch):
+    """EmbeddingAdam overrides Keras's EMA hooks: they must exist, and `apply` must call the update one."""
+    assert callable(getattr(keras.optimizers.Optimizer, hook))
+    variable = keras.Variable(np.ones((3, 2), np.float32))
+    optimizer = built(kto.EmbeddingAdam(use_ema=True, ema_overwrite_frequency=1), [variable])
+    calls = []
+    original = getattr(kto.EmbeddingAdam, hook)
+
+    def spy(self, *args, **kwargs):
+        calls.append(hook)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(kto.EmbeddingAdam, hook, spy)
+    optimizer.apply([np.ones((3, 2), np.float32)], [variable])
+    if hook == "_update_model_variables_moving_average" or BACKEND != "jax":
+        # (Keras's JAX optimizer overwrites the variables inline rather than through the second hook.)
+        assert calls, f"Keras's apply no longer calls {hook}"
+    optimizer.finalize_variable_values([variable])

@@ -72,11 +72,24 @@ ROUND_TRIP_CASES = [
             seed=5,
         ),
     ),
+    (
+        "recommender",
+        lambda: kto.EmbeddingAdam(
+            learning_rate=0.01,
+            second_moment="rowwise",
+            bias_correction="per_row",
+            weight_decay=0.01,
+            clipvalue=0.5,
+            skip_nonfinite_updates=True,
+        ),
+    ),
 ]
 
 
 @pytest.mark.parametrize(
-    "kind, make", ROUND_TRIP_CASES, ids=["adafactor", "embedding_adam", "loss_scaled_adafactor", "adafactor_options"]
+    "kind, make",
+    ROUND_TRIP_CASES,
+    ids=["adafactor", "embedding_adam", "loss_scaled_adafactor", "adafactor_options", "embedding_adam_rowwise_per_row"],
 )
 def test_load_model_restores_config_and_every_variable(kind, make, tmp_path):
     model = _trained(kind, make())
@@ -110,6 +123,62 @@ def test_serialize_deserialize_and_lookup_by_registered_name(cls):
     assert type(restored) is cls and restored.get_config() == optimizer.get_config()
     assert restored.skip_nonfinite_updates is True
     assert keras.optimizers.get(serialized).get_config() == optimizer.get_config()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"second_moment": "rowwise"},
+        {"bias_correction": "per_row"},
+        {"second_moment": "rowwise", "bias_correction": "per_row", "weight_decay": 0.01, "clipvalue": 0.5},
+    ],
+    ids=["rowwise", "per_row", "both"],
+)
+def test_embedding_adam_new_state_saves_loads_and_resumes_exactly(options, tmp_path):
+    """Save in the middle, load, continue: the same numbers as the uninterrupted run (row_steps, rowwise v)."""
+    x, y = make_data("recommender", 6 * 16)
+    make = lambda: kto.EmbeddingAdam(learning_rate=keras.optimizers.schedules.ExponentialDecay(0.02, 2, 0.5), **options)
+    uninterrupted = compile_model(make_model("recommender"), "recommender", make())
+    fit_steps(uninterrupted, x[:48], y[:48], 16)
+    path = str(tmp_path / "m.keras")
+    uninterrupted.save(path)
+    fit_steps(uninterrupted, x[48:], y[48:], 16)
+
+    resumed = keras.saving.load_model(path)
+    names = [v.name for v in resumed.optimizer.variables]
+    if options.get("bias_correction") == "per_row":
+        steps = [v for v in resumed.optimizer.variables if v.name.endswith("row_steps")]
+        assert len(steps) == 2 and all(keras.backend.standardize_dtype(v.dtype) == "int32" for v in steps), names
+        assert int(np.max(keras.ops.convert_to_numpy(steps[0]))) > 0
+    fit_steps(resumed, x[48:], y[48:], 16)
+    for a, b in zip(optimizer_state(uninterrupted.optimizer), optimizer_state(resumed.optimizer)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(weights_of(uninterrupted), weights_of(resumed)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("options", [{}, {"second_moment": "rowwise", "bias_correction": "per_row"}],
+                         ids=["defaults", "rowwise_per_row"])
+def test_embedding_adam_lazy_ema_saves_loads_and_resumes_exactly(options, tmp_path):
+    """Lazy EMA: save in the middle (every row caught up), load, continue: the uninterrupted run's numbers."""
+    x, y = make_data("recommender", 6 * 16)
+    make = lambda: kto.EmbeddingAdam(0.02, use_ema=True, ema_momentum=0.8, ema_overwrite_frequency=4, **options)
+    uninterrupted = compile_model(make_model("recommender"), "recommender", make())
+    uninterrupted.fit(x[:48], y[:48], batch_size=16, epochs=1, shuffle=False, verbose=0)  # ends with finalize
+    path = str(tmp_path / "m.keras")
+    uninterrupted.save(path)
+    steps = [keras.ops.convert_to_numpy(v) for v in uninterrupted.optimizer.variables if v.name.endswith("average_steps")]
+    assert steps and all(np.all(s == 3) for s in steps)  # saving caught every row up
+    uninterrupted.fit(x[48:], y[48:], batch_size=16, epochs=1, shuffle=False, verbose=0)
+
+    resumed = keras.saving.load_model(path)
+    resumed.fit(x[48:], y[48:], batch_size=16, epochs=1, shuffle=False, verbose=0)
+    uninterrupted.optimizer.catch_up_moving_averages()
+    resumed.optimizer.catch_up_moving_averages()
+    for a, b in zip(optimizer_state(uninterrupted.optimizer), optimizer_state(resumed.optimizer)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(weights_of(uninterrupted), weights_of(resumed)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 # ------------------------------------------------------------- safe mode
@@ -223,6 +292,18 @@ MISMATCH_CASES = [
         lambda: kto.Adafactor(beta_1=0.9, momentum_dtype="bfloat16"),
         ["momentum", "bfloat16", "momentum_dtype"],
     ),
+    (
+        "recommender",
+        lambda: kto.EmbeddingAdam(second_moment="rowwise"),
+        lambda: kto.EmbeddingAdam(),
+        ["velocities", "second_moment"],
+    ),
+    (
+        "recommender",
+        lambda: kto.EmbeddingAdam(bias_correction="per_row"),
+        lambda: kto.EmbeddingAdam(),
+        ["row_steps", "bias_correction"],
+    ),
 ]
 
 
@@ -232,7 +313,7 @@ def _layout(kind, make):
     return [(tuple(v.shape), keras.backend.standardize_dtype(v.dtype)) for v in model.optimizer.variables]
 
 
-@pytest.mark.parametrize("kind, make_saved, make_loading, named", MISMATCH_CASES, ids=["factoring", "momentum", "ema_vs_accumulation_same_count", "ema", "factored_dims", "momentum_dtype"])
+@pytest.mark.parametrize("kind, make_saved, make_loading, named", MISMATCH_CASES, ids=["factoring", "momentum", "ema_vs_accumulation_same_count", "ema", "factored_dims", "momentum_dtype", "rowwise", "per_row"])
 def test_load_weights_of_differently_configured_optimizer_raises(kind, make_saved, make_loading, named, tmp_path):
     model = _trained(kind, make_saved(), steps=2)
     path = str(tmp_path / "m.weights.h5")

@@ -119,6 +119,8 @@ def test_torch_has_no_tpu_embedding_engine():
         ("use_ema", True),
         ("loss_scale_factor", 128.0),
         ("gradient_accumulation_steps", 2),
+        ("second_moment", "rowwise"),
+        ("bias_correction", "per_row"),
     ],
 )
 def test_keras_options_no_engine_honours_raise(option, value):

@@ -90,11 +90,12 @@ def embedding_adam_step(optimizer, gradient, variable, learning_rate, *, lazy_ro
     `lazy_row_update(update_rows, gradient, variable, slots)` is the backend's
     row-sparse update; `densify` its conversion of a sparse gradient.
     """
-    slots = optimizer.state_of(variable).slots
+    slots = optimizer.row_slots(variable)
     update_rows = functools.partial(
         update_rows_in_float32,
-        learning_rate=optimizer.bias_corrected_learning_rate(learning_rate),
+        learning_rate=optimizer.row_learning_rate(learning_rate),
         options=optimizer.row_update_options(variable),
+        ema_step=optimizer.ema_step(),
     )
     if optimizer.lazy_adam:
         lazy_row_update(update_rows, gradient, variable, slots)
@@ -110,8 +111,15 @@ def dense_row_update(update_rows, gradient, variable, slots):
         target.assign(value)
 
 
-def update_rows_in_float32(grad, weight, momenta, velocities, *, learning_rate, options):
-    """The row update on rows of any dtype: computed in float32, cast back."""
+def update_rows_in_float32(grad, weight, momenta, velocities, *extra_slots, learning_rate, options, ema_step=None):
+    """The row update on rows of any dtype: computed in float32, cast back.
+
+    The slot rows are `options.slot_names`' (`momenta`, `velocities`, then
+    `row_steps` with per-row bias correction, kept as integers; then
+    `average_steps` and `average` with a lazy EMA, updated as Keras's EMA
+    update number `ema_step`).
+    """
+    adam_extra = extra_slots[: len(options.adam_slot_names) - 2]
     new_values = adam_math.row_update(
         ops.cast(grad, "float32"),
         ops.cast(weight, "float32"),
@@ -119,5 +127,19 @@ def update_rows_in_float32(grad, weight, momenta, velocities, *, learning_rate, 
         ops.cast(velocities, "float32"),
         learning_rate,
         options,
+        *adam_extra,
     )
-    return tuple(ops.cast(new, old.dtype) for new, old in zip(new_values, (weight, momenta, velocities)))
+    old = (weight, momenta, velocities, *adam_extra)
+    new_values = tuple(ops.cast(new, before.dtype) for new, before in zip(new_values, old))
+    if options.ema_momentum is None:
+        return new_values
+    average_steps, average = extra_slots[len(adam_extra) :]
+    new_average, new_steps = adam_math.ema_rows(
+        ops.cast(weight, "float32"),
+        ops.cast(new_values[0], "float32"),  # the stored new weights, as Keras's EMA reads them
+        ops.cast(average, "float32"),
+        average_steps,
+        ema_step,
+        options,
+    )
+    return new_values + (new_steps, ops.cast(new_average, average.dtype))

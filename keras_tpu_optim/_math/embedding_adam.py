@@ -29,6 +29,26 @@ class RowUpdateOptions:
     clip_weight_max: Optional[float] = None
     weight_decay_factor: Optional[float] = None
     multiply_weight_decay_factor_by_learning_rate: bool = False
+    # "full": v has the table's shape; "rowwise": one v per row, of the mean of g^2 over the row.
+    second_moment: str = "full"
+    # "global": `learning_rate` is lr_t (t = iterations + 1); "per_row": it is the
+    # uncorrected lr, and each row is corrected with its own count of updates.
+    bias_correction: str = "global"
+    # Lazy EMA of the table (Keras's `use_ema` on a lazily updated table): Keras's
+    # `ema_momentum`, and how many of its first EMA updates copy the weights
+    # (momentum 0: 1, or `gradient_accumulation_steps`). None: no lazy EMA.
+    ema_momentum: Optional[float] = None
+    ema_copy_updates: int = 1
+
+    @property
+    def adam_slot_names(self) -> tuple:
+        """The slots `row_update` takes and returns after the weights, in order."""
+        return ("momenta", "velocities") + (("row_steps",) if self.bias_correction == "per_row" else ())
+
+    @property
+    def slot_names(self) -> tuple:
+        """Every slot row the row paths gather: `adam_slot_names`, then the lazy EMA's."""
+        return self.adam_slot_names + (("average_steps", "average") if self.ema_momentum is not None else ())
 
 
 def bias_corrected_learning_rate(learning_rate, step, beta_1: float, beta_2: float):
@@ -57,19 +77,39 @@ def clip_between(x, low: Optional[float], high: Optional[float]):
     return x
 
 
-def row_update(grad, weight, momenta, velocities, learning_rate, options: RowUpdateOptions):
+def _per_row(x, like):
+    """A `(rows,)` array shaped to broadcast against `like` (`(rows, *row_shape)`)."""
+    return ops.reshape(x, (-1,) + (1,) * (len(like.shape) - 1))
+
+
+def row_update(grad, weight, momenta, velocities, learning_rate, options: RowUpdateOptions, row_steps=None):
     """Adam on rows, with TPU-embedding semantics.
 
     Args:
-        grad, weight, momenta, velocities: float32 arrays of the same shape
-            (`[rows, dim]`, or any shape whose rows are updated independently).
-        learning_rate: the bias-corrected learning rate `lr_t` (a scalar).
+        grad, weight, momenta: float32 arrays of the same shape (`[rows,
+            *row_shape]`, or any shape whose rows are updated independently).
+        velocities: float32, of that shape (`second_moment="full"`) or
+            `[rows]` (`"rowwise"`: one second moment per row, of the mean of
+            `g^2` over the row).
+        learning_rate: a scalar: the bias-corrected rate `lr_t` with
+            `bias_correction="global"`, the uncorrected `lr` with `"per_row"`.
         options: the static options.
+        row_steps: with `bias_correction="per_row"`, the `[rows]` int32 count
+            of updates each row has had; the row is corrected with
+            `c = row_steps + 1`: `lr_c = lr * sqrt(1 - beta_2^c) / (1 - beta_1^c)`.
 
     Returns:
-        `(weight, momenta, velocities)`, the updated rows.
+        `(weight, momenta, velocities)`, the updated rows, and the updated
+        `row_steps` after them with `bias_correction="per_row"`.
     """
     o = options
+    per_row = o.bias_correction == "per_row"
+    if per_row:
+        if row_steps is None:
+            raise ValueError('`bias_correction="per_row"` needs the rows\' `row_steps`.')
+        row_steps = row_steps + ops.ones_like(row_steps)
+        count = ops.cast(row_steps, "float32")
+        learning_rate = _per_row(bias_corrected_learning_rate(learning_rate, count, o.beta_1, o.beta_2), weight)
     grad = clip_between(grad, o.gradient_clip_min, o.gradient_clip_max)
     if o.weight_decay_factor is not None:
         decay = o.weight_decay_factor
@@ -77,11 +117,61 @@ def row_update(grad, weight, momenta, velocities, learning_rate, options: RowUpd
             decay = decay * learning_rate
         weight = weight - decay * weight
     momenta = o.beta_1 * momenta + (1.0 - o.beta_1) * grad
-    velocities = o.beta_2 * velocities + (1.0 - o.beta_2) * ops.square(grad)
+    square = ops.square(grad)
+    if o.second_moment == "rowwise" and len(grad.shape) > 1:
+        square = ops.mean(square, axis=tuple(range(1, len(grad.shape))))
+    velocities = o.beta_2 * velocities + (1.0 - o.beta_2) * square
     if o.sum_inside_sqrt:
         denominator = ops.sqrt(velocities + o.epsilon**2)
     else:
         denominator = ops.sqrt(velocities) + o.epsilon
+    if len(denominator.shape) < len(weight.shape):
+        denominator = _per_row(denominator, weight)
     weight = weight - learning_rate * momenta / denominator
     weight = clip_between(weight, o.clip_weight_min, o.clip_weight_max)
+    if per_row:
+        return weight, momenta, velocities, row_steps
     return weight, momenta, velocities
+
+
+def ema_catch_up(weight, average, average_steps, count, options: RowUpdateOptions):
+    """The EMA of rows whose weights have not changed since their average was last updated, after `count` EMA updates.
+
+    Keras updates the average of every variable at every step `e` (0-based):
+    `average = mu_e * average + (1 - mu_e) * w`, with `mu_e = 0` for the first
+    `options.ema_copy_updates` updates (a copy) and `ema_momentum` after. A row
+    whose `w` is constant since its average reflected `average_steps` updates
+    therefore has, after `count` updates, `w + momentum^(count - average_steps)
+    * (average - w)`, or `w` if one of those updates was a copy. Rows already at
+    `count` (or past it) keep their average bit for bit.
+
+    Args:
+        weight, average: `[rows, *row_shape]` float32.
+        average_steps: `[rows]` int32, the EMA updates each row's average reflects.
+        count: scalar int, the EMA updates to catch up to.
+    """
+    steps = ops.cast(average_steps, "int32")
+    count = ops.cast(count, "int32")
+    behind = ops.cast(ops.maximum(count - steps, 0), "float32")
+    factor = ops.power(ops.cast(options.ema_momentum, "float32"), behind)
+    up_to_date = _per_row(steps >= count, weight)
+    copied = _per_row(steps < options.ema_copy_updates, weight)
+    caught_up = weight + _per_row(factor, weight) * (average - weight)
+    return ops.where(up_to_date, average, ops.where(copied, weight, caught_up))
+
+
+def ema_rows(old_weight, new_weight, average, average_steps, ema_step, options: RowUpdateOptions):
+    """Keras's EMA update `ema_step` (0-based) on rows whose weights this step changed from `old_weight` to `new_weight`.
+
+    The rows' averages are first caught up over the updates they missed (with
+    their old, constant weights), then updated as Keras does.
+
+    Returns:
+        `(average, average_steps)` of the rows after the update.
+    """
+    ema_step = ops.cast(ema_step, "int32")
+    before = ema_catch_up(old_weight, average, average_steps, ema_step, options)
+    momentum = ops.where(ema_step < options.ema_copy_updates, 0.0, options.ema_momentum)
+    momentum = ops.cast(momentum, "float32")
+    average = momentum * before + (1.0 - momentum) * new_weight
+    return average, ops.zeros_like(average_steps) + ops.cast(ema_step + 1, average_steps.dtype)

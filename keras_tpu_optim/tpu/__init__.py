@@ -64,7 +64,8 @@ def to_tpu_embedding(optimizer: EmbeddingAdam) -> Any:
             option cannot be honoured by the engine; the message names it.
             Both engines: `clipnorm`, `global_clipnorm`, `use_ema`,
             `loss_scale_factor`, `gradient_accumulation_steps`, and
-            `weight_decay` with `exclude_from_weight_decay`. JAX SparseCore
+            `weight_decay` with `exclude_from_weight_decay`,
+            `second_moment="rowwise"`, `bias_correction="per_row"`. JAX SparseCore
             also: `lazy_adam=False`, `use_gradient_accumulation=False`,
             `slot_variable_creation_fn`, `low_dimensional_packing_status=True`.
     """

@@ -66,6 +66,28 @@ def check_keras_options(optimizer, engine: str) -> None:
         )
 
 
+def check_row_options(optimizer, engine: str) -> None:
+    """Raise a ValueError naming the first of EmbeddingAdam's own row options the engine cannot express.
+
+    Both engines keep slots of the table's shape and apply one learning rate
+    to every row of a step: a rowwise second moment (a `(rows,)` slot) and a
+    per-row step count are outside what either can hold or compute.
+    """
+    if optimizer.second_moment != "full":
+        raise unsupported_option(
+            "second_moment",
+            optimizer.second_moment,
+            f"the {engine} keeps Adam's velocities at the table's shape, one per element, not one per row.",
+        )
+    if optimizer.bias_correction != "global":
+        raise unsupported_option(
+            "bias_correction",
+            optimizer.bias_correction,
+            f"the {engine} applies one learning rate to every row of a step and keeps no per-row "
+            "step count, so only the global bias correction (folded into that rate) is expressible.",
+        )
+
+
 def bias_corrected_learning_rate_at(optimizer, step):
     """`lr_t` of the update that follows `step` applied updates (t = step + 1), float32."""
     return adam_math.bias_corrected_learning_rate(

@@ -93,6 +93,7 @@ def _check_sparsecore_options(optimizer) -> None:
 def to_tpu_embedding(optimizer) -> embedding_spec.CustomOptimizerSpec:
     """See `keras_tpu_optim.tpu.to_tpu_embedding`."""
     _export.check_keras_options(optimizer, _ENGINE)
+    _export.check_row_options(optimizer, _ENGINE)
     _check_sparsecore_options(optimizer)
     return embedding_spec.CustomOptimizerSpec(
         learning_rate=BiasCorrectedLearningRate(optimizer),

@@ -69,6 +69,7 @@ class BiasCorrectedLearningRate:
 def to_tpu_embedding(optimizer) -> TPUEmbeddingAdam:
     """See `keras_tpu_optim.tpu.to_tpu_embedding`."""
     _export.check_keras_options(optimizer, _ENGINE)
+    _export.check_row_options(optimizer, _ENGINE)
     options = optimizer.row_update_options()
     has_decay = options.weight_decay_factor is not None
     has_gradient_clip = options.gradient_clip_min is not None or options.gradient_clip_max is not None

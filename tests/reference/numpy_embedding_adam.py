@@ -11,6 +11,13 @@ For every updated row r at step t (1-based)::
     w_r  -= lr_t * m_r / (sqrt(v_r) + epsilon)         otherwise
     w_r   = clip(w_r, clip_weight_min, clip_weight_max)
 
+Options beyond the TPU engine's (docs/algorithms.md#embeddingadam):
+
+- `second_moment="rowwise"`: one v per row, `v_r = beta_2 v_r + (1 - beta_2) * mean_j(g_rj^2)`;
+  the row's momenta are divided by `sqrt(v_r + epsilon^2)` (or `sqrt(v_r) + epsilon`).
+- `bias_correction="per_row"`: row r's update uses its own count c_r of updates (this one
+  included) in place of t: `lr_c = lr * sqrt(1 - beta_2^c) / (1 - beta_1^c)`, also in the decay.
+
 Lazy: only rows present in the gradient are updated (a sparse gradient's
 indices; for a dense gradient, the rows with any non-zero entry). Not lazy:
 every row. Duplicate indices are summed first with gradient accumulation; without
@@ -55,17 +62,33 @@ def clip_by_norm(gradient, clipnorm):
 
 
 def adam_row(gradient, weight, momenta, velocities, lr_t, *, beta_1, beta_2, epsilon, sum_inside_sqrt,
-             clip_weight_min, clip_weight_max, weight_decay_factor, multiply_by_learning_rate):
-    """One row (or a stack of rows) of docs/algorithms.md#embeddingadam, after gradient clipping."""
+             clip_weight_min, clip_weight_max, weight_decay_factor, multiply_by_learning_rate,
+             second_moment="full"):
+    """One row (or a stack of rows) of docs/algorithms.md#embeddingadam, after gradient clipping.
+
+    For a stack of rows `lr_t` may hold one rate per row. With
+    `second_moment="rowwise"` `velocities` holds one value per row.
+    """
+    gradient = np.asarray(gradient, np.float64)
+    lr_t = np.asarray(lr_t, np.float64)
+    if lr_t.ndim:  # one rate per row of a stack
+        lr_t = lr_t.reshape(lr_t.shape + (1,) * (gradient.ndim - 1))
     if weight_decay_factor is not None:
         decay = weight_decay_factor * (lr_t if multiply_by_learning_rate else 1.0)
         weight = weight - decay * weight
     momenta = beta_1 * momenta + (1.0 - beta_1) * gradient
-    velocities = beta_2 * velocities + (1.0 - beta_2) * np.square(gradient)
+    rowwise = second_moment == "rowwise"
+    # A single row has no row axis; a stack of rows has it first. Rowwise v: one number per row.
+    row_axes = tuple(range(np.ndim(velocities), gradient.ndim)) if rowwise else ()
+    square = np.square(gradient)
+    if row_axes:
+        square = square.mean(axis=row_axes)
+    velocities = beta_2 * velocities + (1.0 - beta_2) * square
+    v = np.reshape(velocities, np.shape(velocities) + (1,) * len(row_axes))
     if sum_inside_sqrt:
-        weight = weight - lr_t * momenta / np.sqrt(velocities + epsilon**2)
+        weight = weight - lr_t * momenta / np.sqrt(v + epsilon**2)
     else:
-        weight = weight - lr_t * momenta / (np.sqrt(velocities) + epsilon)
+        weight = weight - lr_t * momenta / (np.sqrt(v) + epsilon)
     if clip_weight_min is not None:
         weight = np.maximum(weight, clip_weight_min)
     if clip_weight_max is not None:
@@ -83,11 +106,14 @@ class NumpyEmbeddingAdam:
     def __init__(self, weights, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, lazy_adam=True,
                  sum_inside_sqrt=True, use_gradient_accumulation=True, clip_weight_min=None, clip_weight_max=None,
                  weight_decay_factor=None, multiply_weight_decay_factor_by_learning_rate=None, clipvalue=None,
-                 clipnorm=None, weight_dtype=None):
+                 clipnorm=None, weight_dtype=None, second_moment="full", bias_correction="global"):
         self.weight_dtype = np.dtype(weight_dtype) if weight_dtype is not None else np.asarray(weights).dtype
         self.weights = np.array(weights, dtype=self.weight_dtype)
         self.momenta = np.zeros(self.weights.shape, np.float64)
-        self.velocities = np.zeros(self.weights.shape, np.float64)
+        rows = self.weights.shape[0]
+        self.velocities = np.zeros((rows,) if second_moment == "rowwise" else self.weights.shape, np.float64)
+        self.row_steps = np.zeros((rows,), np.int64)  # updates applied to each row
+        self.bias_correction = bias_correction
         self.iterations = 0
         self.learning_rate = learning_rate
         self.lazy_adam = lazy_adam
@@ -99,16 +125,22 @@ class NumpyEmbeddingAdam:
             clip_weight_min=clip_weight_min, clip_weight_max=clip_weight_max,
             weight_decay_factor=weight_decay_factor,
             multiply_by_learning_rate=bool(multiply_weight_decay_factor_by_learning_rate),
+            second_moment=second_moment,
         )
 
-    def _lr_t(self):
+    def _lr_t(self, rows=None):
+        """The bias-corrected rate of this step: for `rows` (an array), one per row under per-row correction."""
         lr = self.learning_rate(self.iterations) if callable(self.learning_rate) else self.learning_rate
         options = self.row_options
+        if self.bias_correction == "per_row":
+            counts = self.row_steps[rows] + 1  # this update included
+            return bias_corrected_learning_rate(lr, counts.astype(np.float64), options["beta_1"], options["beta_2"])
         return bias_corrected_learning_rate(lr, self.iterations + 1, options["beta_1"], options["beta_2"])
 
     def _update(self, rows, row_gradients):
         """Update `rows` (unique, sorted or not) with their (already combined) gradients."""
-        lr_t = self._lr_t()
+        rows = np.asarray(rows, np.int64)
+        lr_t = self._lr_t(rows)
         weight = self.weights.astype(np.float64)
         new_w, new_m, new_v = adam_row(
             clip_gradient(row_gradients, self.clipvalue), weight[rows], self.momenta[rows],
@@ -117,6 +149,7 @@ class NumpyEmbeddingAdam:
         weight[rows] = new_w
         self.momenta[rows] = new_m
         self.velocities[rows] = new_v
+        self.row_steps[rows] += 1
         self.weights = weight.astype(self.weight_dtype)
         self.iterations += 1
 
@@ -149,10 +182,10 @@ class NumpyEmbeddingAdam:
             self._update(rows, summed)
             return
         # No accumulation: each occurrence is computed from the pre-step row; the last one wins.
-        lr_t = self._lr_t()
         old_w = self.weights.astype(np.float64)
         new_weight, new_m, new_v = old_w.copy(), self.momenta.copy(), self.velocities.copy()
         for position, row in enumerate(indices):
+            lr_t = self._lr_t(np.asarray(row))
             w, m, v = adam_row(
                 clip_gradient(values[position], self.clipvalue), old_w[row], self.momenta[row],
                 self.velocities[row], lr_t, **self.row_options,
@@ -160,9 +193,44 @@ class NumpyEmbeddingAdam:
             new_weight[row], new_m[row], new_v[row] = w, m, v
         self.weights = new_weight.astype(self.weight_dtype)
         self.momenta, self.velocities = new_m, new_v
+        self.row_steps[np.unique(indices)] += 1
         self.iterations += 1
 
     def apply_dense_all_rows(self, gradient):
         """Ordinary (non-lazy) Adam on every row."""
         gradient = np.asarray(gradient, np.float64)
         self._update(np.arange(gradient.shape[0]), gradient)
+
+
+class KerasEma:
+    """Keras's `use_ema`, from its documentation and base-optimizer contract, around a reference optimizer.
+
+    At every `apply` (micro-step `s` under `gradient_accumulation_steps=N`),
+    after the update: with `iterations = s // N` (updates before this one),
+    `average = mu * average + (1 - mu) * w` for EVERY row, `mu = 0` when
+    `iterations == 0` (the first update copies `w`) and `ema_momentum` after;
+    the average starts at zeros. With `ema_overwrite_frequency=f`, when
+    `(iterations + 1) % f == 0` the weights are then overwritten by the average.
+    `finalize()` (the end of `fit`) installs the average as the weights.
+    """
+
+    def __init__(self, reference, momentum, overwrite_frequency=None, accumulation_steps=None):
+        self.reference = reference
+        self.momentum = momentum
+        self.overwrite_frequency = overwrite_frequency
+        self.accumulation_steps = accumulation_steps or 1
+        self.average = np.zeros(reference.weights.shape, np.float64)
+        self.micro_steps = 0
+
+    def after_apply(self):
+        """Call after each `apply` of the wrapped reference (or each micro-batch)."""
+        iterations = self.micro_steps // self.accumulation_steps
+        mu = 0.0 if iterations == 0 else self.momentum
+        weights = self.reference.weights.astype(np.float64)
+        self.average = mu * self.average + (1.0 - mu) * weights
+        if self.overwrite_frequency and (iterations + 1) % self.overwrite_frequency == 0:
+            self.reference.weights = self.average.astype(self.reference.weight_dtype)
+        self.micro_steps += 1
+
+    def finalize(self):
+        self.reference.weights = self.average.astype(self.reference.weight_dtype)

@@ -34,11 +34,12 @@ def embedding_adam_step(optimizer, gradient, variable, learning_rate):
             optimizer,
             neutral.update_rows_in_float32,
             optimizer.row_update_options(variable),
-            optimizer.bias_corrected_learning_rate(learning_rate),
+            optimizer.row_learning_rate(learning_rate),
             gradient,
             variable,
-            optimizer.state_of(variable).slots,
+            optimizer.row_slots(variable),
             accumulate_duplicates=accumulate,
+            ema_step=optimizer.ema_step(),
         )
         return
     neutral.embedding_adam_step(

@@ -112,10 +112,14 @@ def _scatter(targets, new_rows, ids):
 
 
 def _accumulator(targets, grad_dtype):
-    """The index of a target that can sum the gradient rows in place: float32 first, else the gradient's dtype."""
+    """The index of a target that can sum the gradient rows in place: float32 first, else the gradient's dtype.
+
+    Only targets of the table's shape qualify (a rowwise second moment or a
+    row step counter has one entry per row).
+    """
     for dtype in (tf.float32, grad_dtype):
         for i, target in enumerate(targets):
-            if target.dtype == dtype:
+            if target.dtype == dtype and target.shape == targets[0].shape:
                 return i
     return None
 
@@ -148,7 +152,7 @@ def compiled_update_applies(gradient) -> bool:
 
 
 def compiled_lazy_row_update(
-    owner, row_function, options, learning_rate, gradient, variable, slots, *, accumulate_duplicates
+    owner, row_function, options, learning_rate, gradient, variable, slots, *, accumulate_duplicates, ema_step=None
 ):
     """`lazy_row_update` of an IndexedSlices gradient outside XLA, compiled with XLA.
 
@@ -159,8 +163,9 @@ def compiled_lazy_row_update(
     and scatters. Every id keeps its place, carrying its group's row, so the
     shapes are those of the gradient (one compilation per batch size).
 
-    `row_function(grad, weight, momenta, velocities, *, learning_rate,
-    options)` is the row update; `options` must be hashable.
+    `row_function(grad, weight, *slots, *, learning_rate, options,
+    ema_step)` is the row update; `options` must be hashable. `ema_step` (an
+    integer scalar, or None) is passed through to it.
     """
     update = compiled_function(
         owner,
@@ -171,7 +176,8 @@ def compiled_lazy_row_update(
     indices, values = sparse_entries(gradient)
     indices = _checked_indices(indices, tf.shape(targets[0], out_type=indices.dtype)[0], variable)
     _, group = tf.unique(indices)
-    update(indices, group, values, tf.convert_to_tensor(learning_rate), targets)
+    ema_step = None if ema_step is None else tf.convert_to_tensor(ema_step)
+    update(indices, group, values, tf.convert_to_tensor(learning_rate), targets, ema_step)
 
 
 def _checked_indices(indices, num_rows, variable):
@@ -193,9 +199,9 @@ def _checked_indices(indices, num_rows, variable):
 
 
 def _compilable_update(row_function, options, accumulate_duplicates):
-    def update(indices, group, values, learning_rate, targets):
+    def update(indices, group, values, learning_rate, targets, ema_step):
         def update_rows(*rows):
-            return row_function(*rows, learning_rate=learning_rate, options=options)
+            return row_function(*rows, learning_rate=learning_rate, options=options, ema_step=ema_step)
 
         _update_in_place(update_rows, indices, group_rows(values, group, accumulate_duplicates), targets)
 
