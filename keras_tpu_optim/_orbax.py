@@ -135,8 +135,11 @@ def load_checkpoint(model, directory) -> None:
 
     Builds the optimizer first if needed (Keras's loaders skip the slots of an unbuilt
     optimizer). On a mismatch raises a `ValueError` naming each difference and the
-    optimizer settings that differ, before anything is assigned. Under a JAX distribution
-    the arrays are read onto the current layout (`model.load_weights` reshards).
+    optimizer settings that differ, before anything is assigned. On JAX the arrays are
+    read onto the current variables' placements, with or without a distribution, so a
+    checkpoint of a multi-process or multi-device job restores onto any mesh (or a
+    single device) its shapes fit; where Orbax still cannot place them, a `ValueError`
+    says so and nothing is assigned.
     """
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
@@ -165,4 +168,41 @@ def load_checkpoint(model, directory) -> None:
             "configuration) to resume. Nothing was loaded."
         )
         raise ValueError(message)
-    model.load_weights(root)  # Keras reads the latest step, onto the variables' layouts
+    if keras.backend.backend() != "jax":
+        model.load_weights(root)  # Keras reads the latest step
+        return
+    try:
+        loaded = _ocp().load_checkpointables(step_directory, {"pytree": _abstract_tree(metadata, model.get_state_tree())})
+    except Exception as error:
+        raise ValueError(
+            f"Cannot restore the Orbax checkpoint {step_directory!r} onto this process's devices "
+            f"({_devices_here()}): {type(error).__name__}: {error}. Nothing was loaded."
+        ) from error
+    model.set_state_tree(loaded["pytree"])
+
+
+def _abstract_tree(metadata: dict, state: dict) -> dict:
+    """The checkpoint's arrays as `jax.ShapeDtypeStruct`s placed like this model's variables.
+
+    Keras's `model.load_weights` passes the current placements only under a
+    distribution; without one Orbax places each array as it was saved, which fails
+    wherever the saving devices do not exist here (a checkpoint of a 2-process or
+    8-device job restored on one device). With the placements always given, a
+    checkpoint restores onto any mesh (or none) its shapes fit.
+    """
+    import jax
+
+    def leaf(meta, ref):
+        if isinstance(meta, dict):
+            return {key: leaf(value, (ref or {}).get(key) if isinstance(ref, dict) else None) for key, value in meta.items()}
+        if hasattr(meta, "shape") and hasattr(meta, "dtype"):
+            return jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=getattr(ref, "sharding", None))
+        return None
+
+    return {key: leaf(value, state.get(key)) for key, value in metadata.items()}
+
+
+def _devices_here() -> str:
+    import jax
+
+    return f"{jax.process_count()} process(es), {len(jax.devices())} device(s)"

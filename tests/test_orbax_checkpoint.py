@@ -6,6 +6,9 @@ Keras's own loaders assign an Orbax checkpoint by variable path and skip whateve
 match, silently; these tests pin that down and check that ours refuses instead.
 """
 
+import os
+from pathlib import Path
+
 import keras
 import numpy as np
 import pytest
@@ -103,3 +106,86 @@ def test_not_a_checkpoint(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="OrbaxCheckpoint"):
         kto.load_checkpoint(model, str(tmp_path / "empty"))
+
+
+_RESTORE_ON_ONE_DEVICE = """
+import sys, numpy as np, keras, keras_tpu_optim as kto
+from _kto_models import compile_model, make_model, optimizer_state, weights_of
+import jax
+assert len(jax.devices()) == 1, jax.devices()
+directory, expected, how = sys.argv[1:4]
+keras.backend.clear_session()
+model = compile_model(make_model("mlp", seed=2), "mlp", kto.Adafactor(learning_rate=0.1, beta_1=0.9))
+try:
+    if how == "keras":
+        model.optimizer.build(model.trainable_variables)
+        model.load_weights(directory)
+    else:
+        kto.load_checkpoint(model, directory)
+except Exception as error:
+    print("FAILED", type(error).__name__)
+    sys.exit(3)
+want = np.load(expected)
+got = weights_of(model) + optimizer_state(model.optimizer)
+assert len(got) == len(want.files)
+for i, value in enumerate(got):
+    np.testing.assert_array_equal(value, want[f"arr_{i}"])
+print("RESTORED", len(got))
+"""
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="placement on devices is JAX's: TF and torch checkpoints hold plain arrays")
+def test_a_checkpoint_of_8_sharded_devices_restores_on_one_device(tmp_path):
+    """Keras's `load_weights` without a distribution asks Orbax for the saved placements,
+    which name 8 devices; `load_checkpoint` places every array as this model's variables."""
+    import subprocess
+    import sys
+
+    import jax
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 JAX devices (XLA_FLAGS=--xla_force_host_platform_device_count=8, as dev/test.sh sets)")
+    mesh = keras.distribution.DeviceMesh((2, 4), ["model", "batch"], jax.devices()[:8])
+    layouts = keras.distribution.LayoutMap(mesh)
+    layouts[".*dense/kernel"] = (None, "model")
+    distribution = keras.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch")
+    with distribution.scope():
+        trained, directory = _trained(tmp_path, kto.Adafactor(learning_rate=0.1, beta_1=0.9))
+        kernel = trained.trainable_variables[0]
+        assert len(kernel.value.sharding.device_set) == 8
+        np.savez(tmp_path / "want.npz", *(weights_of(trained) + optimizer_state(trained.optimizer)))
+    script = tmp_path / "restore.py"
+    script.write_text(_RESTORE_ON_ONE_DEVICE)
+    tests = str(Path(__file__).resolve().parent)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="2")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(tests).parent), tests, env.get("PYTHONPATH")]))
+    runs = {}
+    for how in ("keras", "ours"):
+        runs[how] = subprocess.run(
+            [sys.executable, str(script), directory, str(tmp_path / "want.npz"), how],
+            env=env, capture_output=True, text=True, timeout=300,
+        )
+    assert runs["keras"].returncode == 3, runs["keras"].stdout + runs["keras"].stderr[-3000:]  # why load_checkpoint places
+    assert runs["ours"].returncode == 0, runs["ours"].stdout + runs["ours"].stderr[-3000:]
+    assert "RESTORED" in runs["ours"].stdout
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="TF and torch restore through Keras's model.load_weights (no placement)")
+def test_a_checkpoint_orbax_cannot_place_raises_and_changes_nothing(tmp_path, monkeypatch):
+    from keras_tpu_optim import _orbax
+
+    _, directory = _trained(tmp_path, kto.EmbeddingAdam(0.1))
+    model = _model(seed=2, optimizer=kto.EmbeddingAdam(0.1))
+    model.optimizer.build(model.trainable_variables)
+    before = weights_of(model) + optimizer_state(model.optimizer)
+
+    ocp = _orbax._ocp()
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("The available devices are different from the devices used to save the checkpoint.")
+
+    monkeypatch.setattr(ocp, "load_checkpointables", refuse)
+    with pytest.raises(ValueError, match="onto this process's devices .*devices used to save.*Nothing was loaded"):
+        kto.load_checkpoint(model, directory)
+    for got, want in zip(weights_of(model) + optimizer_state(model.optimizer), before):
+        np.testing.assert_array_equal(got, want)
