@@ -68,12 +68,24 @@ class OptimizerBase(keras.optimizers.Optimizer):
                     f"{type(self).__name__} can only optimize floating-point variables; "
                     f"variable '{_slots.variable_path(variable)}' has dtype {dtype}."
                 )
+        if self.plans_slots:
+            with _slots.planning(self) as planned:
+                for variable in var_list:
+                    if not _private.overwritten_with_gradient(self, variable):
+                        self.make_state(variable)
+            _checks.check_slot_layouts(type(self), planned)
         super().build(var_list)
         _slots.record_keras_roles(self)
         self._platforms = [self._backend.platform_of(v) for v in var_list]
         self._states = [
             None if _private.overwritten_with_gradient(self, v) else self.make_state(v) for v in var_list
         ]
+
+    @property
+    def plans_slots(self) -> bool:
+        """Whether `make_state` can run in `_slots.planning` (only `_slots.add_slot` creates state),
+        so `build` checks the slots' layouts before creating anything."""
+        return True
 
     def make_state(self, variable) -> VariableState:
         """Create the optimizer's state for one model variable (subclasses)."""

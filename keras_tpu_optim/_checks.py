@@ -135,3 +135,38 @@ def check_layout_map(optimizer_class, name) -> None:
                 "itself; make the keys match only model variables (e.g. '.*embedding/embeddings' "
                 f"rather than '.*embedding.*'), or name the optimizer so that no key matches it."
             )
+
+
+def check_slot_layouts(optimizer_class, planned) -> None:
+    """Refuse a LayoutMap key that lays out the optimizer's state apart from its model variable.
+
+    Our state follows each model variable's layout (a factored statistic keeps
+    the axes it keeps). A key that matches a state variable's path but not its
+    model variable's asks for a layout of the state's own, which the optimizer
+    would silently ignore (or which has the wrong rank): refused before any
+    variable is created. A key matching both (such as '.*kernel.*') is the model
+    variable's, and the state follows it.
+    """
+    try:
+        distribution = keras.distribution.distribution()
+    except Exception:  # a backend without keras.distribution
+        return
+    layouts = _private.layout_map(distribution)
+    if layouts is None:
+        return
+    for slot in planned:
+        keys = [key for key in layouts.keys() if re.fullmatch(key, slot.path)]
+        keys = [key for key in keys if not re.fullmatch(key, slot.owner_path)]
+        if not keys:
+            continue
+        requested = tuple(getattr(layouts[keys[0]], "axes", ()) or ())
+        if requested == slot.axes:
+            continue
+        rank = "" if len(requested) == len(slot.shape) else f" (rank {len(requested)} for a rank-{len(slot.shape)} variable)"
+        raise ValueError(
+            f"The current distribution's LayoutMap key {keys[0]!r} gives {optimizer_class.__name__}'s state "
+            f"'{slot.path}' of shape {slot.shape} the layout {requested}{rank}, but it does not match the model "
+            f"variable '{slot.owner_path}' that state belongs to. {optimizer_class.__name__} lays out each state "
+            f"variable after its model variable ({slot.axes} here) and cannot take a layout of its own: shard "
+            f"'{slot.owner_path}' instead, or make the key match only model variables. Nothing was built."
+        )

@@ -8,11 +8,38 @@ parsed back from names.
 
 from __future__ import annotations
 
+import contextlib
+from typing import NamedTuple
+
 import keras
 
 from keras_tpu_optim import _private
 
 _ROLES_ATTRIBUTE = "_keras_tpu_optim_roles"
+_PLAN_ATTRIBUTE = "_keras_tpu_optim_slot_plan"
+
+
+class PlannedSlot(NamedTuple):
+    """A slot `add_slot` would create: its path, shape, layout axes, and its model variable's path."""
+
+    path: str
+    shape: tuple
+    axes: tuple
+    owner_path: str
+
+
+@contextlib.contextmanager
+def planning(optimizer):
+    """Within, `add_slot` creates nothing: it records a `PlannedSlot` in the list yielded.
+
+    Lets `build` check the slots' layouts before any variable exists.
+    """
+    plan = []
+    optimizer.__dict__[_PLAN_ATTRIBUTE] = plan
+    try:
+        yield plan
+    finally:
+        optimizer.__dict__.pop(_PLAN_ATTRIBUTE, None)
 
 
 def variable_path(variable) -> str:
@@ -60,13 +87,14 @@ def add_slot(optimizer, variable, slot_name: str, kept_axes=None, dtype: str = "
     """
     axes = range(len(variable.shape)) if kept_axes is None else kept_axes
     shape = tuple(variable.shape[i] for i in axes)
-    slot = optimizer.add_variable(
-        shape=shape,
-        initializer="zeros",
-        dtype=dtype,
-        name=variable_path(variable).replace("/", "_") + "_" + slot_name,
-        layout=_kept_layout(_private.variable_layout(variable), axes),
-    )
+    name = variable_path(variable).replace("/", "_") + "_" + slot_name
+    layout = _kept_layout(_private.variable_layout(variable), axes)
+    plan = optimizer.__dict__.get(_PLAN_ATTRIBUTE)
+    if plan is not None:
+        layout_axes = getattr(layout, "axes", None)
+        plan.append(PlannedSlot(f"{optimizer.name}/{name}", shape, tuple(layout_axes or (None,) * len(shape)), variable_path(variable)))
+        return None
+    slot = optimizer.add_variable(shape=shape, initializer="zeros", dtype=dtype, name=name, layout=layout)
     record_role(optimizer, slot, _private.variable_index(optimizer, variable), slot_name)
     return slot
 

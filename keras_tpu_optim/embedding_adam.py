@@ -258,6 +258,11 @@ class EmbeddingAdam(OptimizerBase):
         axes = self._kept_axes(variable, name)
         return tuple(variable.shape) if axes is None else tuple(variable.shape[i] for i in axes)
 
+    @property
+    def plans_slots(self) -> bool:
+        # A `slot_variable_creation_fn` makes its own variables, with its own layouts.
+        return self.slot_variable_creation_fn is None
+
     def make_state(self, variable) -> VariableState:
         """A table's slots, in the order of `row_update_options().slot_names`.
 

@@ -126,6 +126,58 @@ def test_jax_layout_map_matching_the_optimizers_scalars_is_refused(name):
         keras.distribution.set_distribution(None)
 
 
+@pytest.mark.parametrize(
+    "name, key, axes, state",
+    [
+        # Aimed at the state, not the kernel: a row statistic is rank 1.
+        ("adafactor", ".*dense_kernel.*", ("model", None), "dense_kernel_row_second_moment"),
+        # The right rank, but apart from the table's own (replicated) layout.
+        ("embedding_adam", ".*embedding_embeddings_momenta", ("model", None), "embedding_embeddings_momenta"),
+        ("embedding_adam", ".*_velocities", (None, None, "model"), "embedding_embeddings_velocities"),
+    ],
+)
+def test_jax_layout_map_laying_out_state_apart_from_its_variable_is_refused(name, key, axes, state):
+    """Our state follows its model variable's layout; a key that matches only state would
+    be ignored (or have the wrong rank): refused at build, before any variable is created."""
+    _require_jax_devices()
+    mesh = keras.distribution.DeviceMesh((2, 4), ("model", "batch"), keras.distribution.list_devices())
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[key] = axes
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    try:
+        model = _model()
+        optimizer = OPTIMIZERS[name]()
+        with pytest.raises(ValueError, match=rf"LayoutMap key .* gives .*'{optimizer.name}/\w*{state}'.*Nothing was built"):
+            optimizer.build(model.trainable_variables)
+        assert not optimizer.built
+        assert sorted(v.path.split("/")[-1] for v in optimizer.variables) == ["iteration", "learning_rate"]
+        del layout_map[key]  # fixed: the same optimizer builds
+        optimizer.build(model.trainable_variables)
+        assert optimizer.built and len(optimizer.variables) > 2
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+def test_jax_layout_map_key_matching_a_variable_and_its_state_is_the_variables():
+    """'.*dense[/_]kernel.*' matches '.../dense/kernel' and 'adafactor/..._dense_kernel_row_second_moment'
+    (with a layout of the wrong rank): the key is the kernel's, and the state follows it (no error)."""
+    _require_jax_devices()
+    mesh = keras.distribution.DeviceMesh((2, 4), ("model", "batch"), keras.distribution.list_devices())
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*dense[/_]kernel.*"] = (None, "model")
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    try:
+        model = _model()
+        optimizer = kto.Adafactor(learning_rate=0.01, beta_1=0.9)
+        optimizer.build(model.trainable_variables)
+        specs = {v.path: tuple(v.value.sharding.spec) for v in optimizer.variables}
+        assert specs["adafactor/sequential_dense_kernel_row_second_moment"] in ((None,), ())
+        assert specs["adafactor/sequential_dense_kernel_column_second_moment"] == ("model",)
+        assert specs["adafactor/sequential_dense_kernel_momentum"] == (None, "model")
+    finally:
+        keras.distribution.set_distribution(None)
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_jax_data_parallel_matches_single_device(name):
     _require_jax_devices()
