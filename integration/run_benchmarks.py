@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 import bench_common as bc  # noqa: E402  (the script's folder is on sys.path)
 
 BACKENDS = ("tensorflow", "jax", "torch")
-BENCHES = ("adafactor", "embedding_adam")
+BENCHES = ("adafactor", "embedding_adam", "embedding_options")
 PASS = {True: "PASS", False: "**MISS**", None: "n/a"}
 
 
@@ -200,9 +200,36 @@ def write_markdown(results, status, path, quick):
         header = ["backend", "target", "measured", "goal", "result", "note"]
         lines += ["### Targets (issue 3)", "", _md_table(header, rows), ""]
 
+    lines += _options_section(results)
     with open(path, "w") as f:
         f.write("\n".join(lines))
     print(f"wrote {path}")
+
+
+def _options_section(results):
+    """EmbeddingAdam's options (`bench_embedding_options.py`): ours with each option against our plain step."""
+    found = [(k, results[("embedding_options", k)]) for k in BACKENDS if ("embedding_options", k) in results]
+    if not found:
+        return []
+    lines = ["## EmbeddingAdam options (EMA, gradient accumulation, row-wise `v`, per-row bias correction)", "",
+             "Configurations take turns, a window of 4 steps at a time; means over whole windows (ms).", ""]
+    for backend, r in found:
+        records = [x for x in r["records"] if "error" not in x and x.get("steps_ms")]
+        mean = {(x["who"], x["options"], x["rows"]): sum(x["steps_ms"]) / len(x["steps_ms"]) for x in records}
+        rows = []
+        for who, options, size in mean:
+            plain = mean.get((who, "plain", size))
+            state = next((x.get("state_bytes") for x in records if (x["who"], x["options"], x["rows"]) == (who, options, size)), None)
+            rows.append([who, options, _size(size), _f(mean[(who, options, size)], ".2f"),
+                         _f(mean[(who, options, size)] / plain if plain else None, ".2f"),
+                         _f(state / 2**20 if state else None, ".0f")])
+        lines += [f"### {backend}", "", _md_table(["optimizer", "option", "rows", "ms", "/ plain", "state MB"], rows), ""]
+        errs = [x for x in r["records"] if "error" in x]
+        if errs:
+            lines += ["Errors: " + "; ".join(f"{x['who']} {x['options']}: {x['error']}" for x in errs), ""]
+    rows = [[k, t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]]] for k, r in found for t in r["targets"]]
+    lines += ["### Targets (issue 12)", "", _md_table(["backend", "target", "measured", "goal", "result"], rows), ""]
+    return lines
 
 
 def write_chart(results, path):

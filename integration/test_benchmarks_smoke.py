@@ -71,3 +71,14 @@ def test_bench_embedding_adam_quick(tmp_path):
     run_benchmarks.write_report(str(tmp_path / "report"), quick=True)
     assert (tmp_path / "report" / "benchmarks.md").read_text().count("EmbeddingAdam") >= 1
     assert (tmp_path / "report" / "benchmarks.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(BACKEND not in ("tensorflow", "jax", "torch"), reason="benchmarks cover TF, JAX and torch")
+def test_bench_embedding_options_quick(tmp_path):
+    stdout, data = _run("bench_embedding_options.py", tmp_path, "--steps", "8", "--big", "40k")
+    assert f"EmbeddingAdam options on {BACKEND}" in stdout
+    assert "Targets" in stdout
+    measured = {(r["who"], r["options"]) for r in data["records"] if "error" not in r and r["steps_ms"]}
+    assert {("ours", "plain"), ("ours", "use_ema"), ("ours", "rowwise"), ("ours", "per_row")} <= measured, data["records"]
+    assert ("keras", "use_ema") in measured
+    assert any(t["target"] == "rowwise state / full state" and t["value"] is not None for t in data["targets"])
