@@ -35,3 +35,7 @@ def test_quick_demo_trains_prints_summary_and_writes_figure(tmp_path):
     rows = dict(re.findall(r"^(keras_tpu_optim\.EmbeddingAdam|keras\.optimizers\.Adam)\s+\S+\s+\S+\s+([\d,]+)", out, re.M))
     assert int(rows["keras.optimizers.Adam"].replace(",", "")) == 20_000
     assert 0 < int(rows["keras_tpu_optim.EmbeddingAdam"].replace(",", "")) < 256
+    # Beside the TPU's global bias correction, the per-row one (its own line and final loss).
+    per_row = re.search(r"^keras_tpu_optim\.EmbeddingAdam\(per_row\)\s+([\d.]+)\s+[\d.]+\s+([\d,]+)", out, re.M)
+    assert per_row and 0 < int(per_row.group(2).replace(",", "")) < 256, out[-2000:]
+    assert f"final loss {per_row.group(1)} against" in out
