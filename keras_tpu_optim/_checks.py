@@ -109,16 +109,21 @@ def check_base_arguments(**keywords):
     check_int("gradient_accumulation_steps", keywords.get("gradient_accumulation_steps"), low=2, allow_none=True)
 
 
+def _current_layout_map():
+    """The LayoutMap of the current `keras.distribution`, or None (none set, or a backend without it)."""
+    try:
+        distribution = keras.distribution.distribution()
+    except Exception:  # a backend without keras.distribution
+        return None
+    return _private.layout_map(distribution)
+
+
 def check_layout_map(optimizer_class, name) -> None:
     """Refuse a LayoutMap that would give the optimizer's scalars (`iteration`,
     `learning_rate`) a sharded layout, before they are created: JAX would fail deep in
     its sharding code with an IndexError. A broad key such as '.*embedding.*' matches
     `embedding_adam/iteration` as well as the table."""
-    try:
-        distribution = keras.distribution.distribution()
-    except Exception:  # a backend without keras.distribution
-        return
-    layouts = _private.layout_map(distribution)
+    layouts = _current_layout_map()
     if layouts is None:
         return
     if name is None:
@@ -147,11 +152,7 @@ def check_slot_layouts(optimizer_class, planned) -> None:
     variable is created. A key matching both (such as '.*kernel.*') is the model
     variable's, and the state follows it.
     """
-    try:
-        distribution = keras.distribution.distribution()
-    except Exception:  # a backend without keras.distribution
-        return
-    layouts = _private.layout_map(distribution)
+    layouts = _current_layout_map()
     if layouts is None:
         return
     for slot in planned:
