@@ -21,10 +21,12 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 # Elements of a block: a variable is updated a block of its leading axis at a time, so that
-# no intermediate is bigger than this (4 MiB of float32). Measured on CPU against 1 and 16 MiB
-# and against one variable-sized buffer (the embedding and MLP kernels of a GPT-2-sized model,
-# one thread): 4 MiB was the fastest, about 0.75x the variable-sized buffer's time.
-CHUNK_ELEMENTS = 1 << 20
+# no intermediate is bigger than this (16 MiB of float32). Measured on CPU, the embedding and MLP
+# kernels of a GPT-2-sized model: on one thread 4 and 16 MiB blocks were faster than one
+# variable-sized buffer (~60 vs ~80 ms: cache-resident blocks); on two threads of a loaded
+# machine, where every parallel op waits for a busy core, smaller blocks (more ops) were much
+# slower: 4 MiB 9x, 16 MiB 2.3x the variable-sized buffer's time.
+CHUNK_ELEMENTS = 1 << 22
 
 
 class Scratch:
