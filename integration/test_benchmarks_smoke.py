@@ -71,3 +71,31 @@ def test_bench_embedding_adam_quick(tmp_path):
     run_benchmarks.write_report(str(tmp_path / "report"), quick=True)
     assert (tmp_path / "report" / "benchmarks.md").read_text().count("EmbeddingAdam") >= 1
     assert (tmp_path / "report" / "benchmarks.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(BACKEND not in ("tensorflow", "jax", "torch"), reason="benchmarks cover TF, JAX and torch")
+def test_bench_fit_quick(tmp_path):
+    stdout, data = _run("bench_fit.py", tmp_path, "--steps", "2", "--warmup", "1")
+    assert f"fit on {BACKEND}" in stdout
+    assert "Ratios, ours / peer" in stdout
+    assert "Targets" in stdout
+    assert "bfloat16 weights" in stdout
+    assert data["backend"] == BACKEND
+    runs = data["backends"][BACKEND]["runs"]
+    names = ("keras.optimizers.SGD", "keras_tpu_optim.Adafactor", "keras.optimizers.Adafactor", "keras.optimizers.Adam")
+    rounding = ("ours(lr=0.01), float32 weights", "ours(lr=0.01), bf16 weights",
+                "ours(lr=0.01, stochastic_rounding=True), bf16 weights")
+    for name in names + rounding:
+        (record,) = runs[name]
+        assert "error" not in record, record
+        assert record["peak_delta_mb"] >= 0 and record["fit_peak_mb"] >= 0 and record["median_ms"] > 0
+    assert [runs[name][0]["dtype"] for name in rounding] == ["float32", "bfloat16", "bfloat16"]
+    assert {t["target"] for t in data["targets"]} >= {"ours peak <= SGD + 0.25x params"}
+    # The report writer accepts what the script wrote.
+    (tmp_path / "report").mkdir()
+    with open(tmp_path / "report" / f"fit_{BACKEND}.json", "w") as f:
+        json.dump(data, f)
+    import run_benchmarks
+
+    run_benchmarks.write_report(str(tmp_path / "report"), quick=True)
+    assert "Peak memory of a `fit` step" in (tmp_path / "report" / "benchmarks.md").read_text()
