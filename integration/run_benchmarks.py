@@ -1,4 +1,4 @@
-"""Run both benchmarks on TensorFlow, JAX and torch and write the report.
+"""Run the benchmarks on TensorFlow, JAX and torch and write the report.
 
 Each (benchmark, backend) pair runs in its own process with KERAS_BACKEND set
 (TensorFlow and torch never share a process). The scripts write JSON; this
@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 import bench_common as bc  # noqa: E402  (the script's folder is on sys.path)
 
 BACKENDS = ("tensorflow", "jax", "torch")
-BENCHES = ("adafactor", "embedding_adam", "embedding_options")
+BENCHES = ("adafactor", "embedding_adam", "embedding_options", "fit")
 PASS = {True: "PASS", False: "**MISS**", None: "n/a"}
 
 
@@ -201,6 +201,39 @@ def write_markdown(results, status, path, quick):
         lines += ["### Targets (issue 3)", "", _md_table(header, rows), ""]
 
     lines += _options_section(results)
+    # --------------------------------------------------------------------- fit
+    ft = [(k, results[("fit", k)]) for k in BACKENDS if ("fit", k) in results]
+    if ft:
+        any_r = ft[0][1]
+        lines += [
+            "## Peak memory of a `fit` step",
+            "",
+            f"`integration/bench_fit.py`: a GPT-2-shaped LM from Keras layers ({any_r['model']}), tied LM head, "
+            f"`model.fit` on a synthetic bigram language; {any_r['warmup']} warm-up + {any_r['steps']} measured "
+            "steps, each optimizer in its own process. Step peak: RSS above the RSS after the warm-up; fit peak: "
+            "above the RSS of the built model (compilation, optimizer state and allocator pools included). "
+            "'x params': (figure - SGD's) / float32 parameter bytes.",
+            "",
+        ]
+        rows = []
+        for k, r in ft:
+            b = r["backends"][k]
+            for name, m in b["medians"].items():
+                if m.get("median_ms") is None:
+                    continue
+                sgd = b["medians"].get("keras.optimizers.SGD", {})
+                above = lambda key, m=m, sgd=sgd, b=b: (  # noqa: E731
+                    None if sgd.get(key) is None or not b["param_mb"] else (m[key] - sgd[key]) / b["param_mb"])
+                rows.append([k, f"`{name}`", _f(m["median_ms"], ".0f"), _f(m["peak_delta_mb"], ".0f"),
+                             _f(above("peak_delta_mb"), "+.2f"), _f(m.get("fit_peak_mb"), ".0f"),
+                             _f(above("fit_peak_mb"), "+.2f"), _f(m["eval_loss"], ".4f")])
+        lines += [_md_table(["backend", "optimizer", "step ms", "step peak MB", "x params", "fit peak MB",
+                             "x params", "eval loss"], rows), ""]
+        rows = [[k, t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]], t.get("note", "")]
+                for k, r in ft for t in r["backends"][k]["targets"]]
+        lines += ["### Targets (issue 13)", "",
+                  _md_table(["backend", "target", "measured", "goal", "result", "note"], rows), ""]
+
     with open(path, "w") as f:
         f.write("\n".join(lines))
     print(f"wrote {path}")

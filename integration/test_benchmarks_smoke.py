@@ -20,7 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BACKEND = keras.backend.backend()
 
 
-def _run(script, tmp_path, *extra):
+def _run(script, tmp_path, *extra, timeout=300):
     out = tmp_path / f"{script}.json"
     env = dict(os.environ, KERAS_BACKEND=BACKEND, TF_CPP_MIN_LOG_LEVEL="2")
     proc = subprocess.run(
@@ -28,7 +28,7 @@ def _run(script, tmp_path, *extra):
         capture_output=True,
         text=True,
         env=env,
-        timeout=300,
+        timeout=timeout,
     )
     assert proc.returncode == 0, f"{script} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     with open(out) as f:
@@ -82,3 +82,31 @@ def test_bench_embedding_options_quick(tmp_path):
     assert {("ours", "plain"), ("ours", "use_ema"), ("ours", "rowwise"), ("ours", "per_row")} <= measured, data["records"]
     assert ("keras", "use_ema") in measured
     assert any(t["target"] == "rowwise state / full state" and t["value"] is not None for t in data["targets"])
+
+
+@pytest.mark.skipif(BACKEND not in ("tensorflow", "jax", "torch"), reason="benchmarks cover TF, JAX and torch")
+def test_bench_fit_quick(tmp_path):
+    stdout, data = _run("bench_fit.py", tmp_path, "--steps", "2", "--warmup", "1", timeout=900)
+    assert f"fit on {BACKEND}" in stdout
+    assert "Ratios, ours / peer" in stdout
+    assert "Targets" in stdout
+    assert "bfloat16 weights" in stdout
+    assert data["backend"] == BACKEND
+    runs = data["backends"][BACKEND]["runs"]
+    names = ("keras.optimizers.SGD", "keras_tpu_optim.Adafactor", "keras.optimizers.Adafactor", "keras.optimizers.Adam")
+    rounding = ("ours(lr=0.01), float32 weights", "ours(lr=0.01), bf16 weights",
+                "ours(lr=0.01, stochastic_rounding=True), bf16 weights")
+    for name in names + rounding:
+        (record,) = runs[name]
+        assert "error" not in record, record
+        assert record["peak_delta_mb"] >= 0 and record["fit_peak_mb"] >= 0 and record["median_ms"] > 0
+    assert [runs[name][0]["dtype"] for name in rounding] == ["float32", "bfloat16", "bfloat16"]
+    assert {t["target"] for t in data["targets"]} >= {"ours peak <= SGD + 0.25x params"}
+    # The report writer accepts what the script wrote.
+    (tmp_path / "report").mkdir()
+    with open(tmp_path / "report" / f"fit_{BACKEND}.json", "w") as f:
+        json.dump(data, f)
+    import run_benchmarks
+
+    run_benchmarks.write_report(str(tmp_path / "report"), quick=True)
+    assert "Peak memory of a `fit` step" in (tmp_path / "report" / "benchmarks.md").read_text()

@@ -78,13 +78,16 @@ def to_float64(t):
 
 
 @pytest.mark.parametrize(
+    "chunk_elements", [adafactor.CHUNK_ELEMENTS, 4], ids=["one_block", "blocks_of_4"]
+)
+@pytest.mark.parametrize(
     "schedule", [{}, dict(decay_offset=2, beta_2_cap=0.6)], ids=["keras_decay", "offset_and_cap"]
 )
 @pytest.mark.parametrize("multiply_by_parameter_scale", [True, False], ids=["param_scale", "no_param_scale"])
 @pytest.mark.parametrize("relative_step", [True, False], ids=["relative", "absolute"])
 @pytest.mark.parametrize("beta_1", [None, 0.9], ids=["no_momentum", "momentum"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_matches_numpy_reference(dtype, beta_1, relative_step, multiply_by_parameter_scale, schedule):
+def test_matches_numpy_reference(dtype, beta_1, relative_step, multiply_by_parameter_scale, schedule, chunk_elements):
     # lr 0.5 is above the relative-step cap 1/sqrt(t) from t = 5.
     reference = NumpyAdafactor(
         learning_rate=0.5,
@@ -115,6 +118,7 @@ def test_matches_numpy_reference(dtype, beta_1, relative_step, multiply_by_param
                 step=step,
                 options=options,
                 scratch=scratch,
+                chunk_elements=chunk_elements,
             )
         for i, (param, want) in enumerate(zip(params, expected)):
             assert param.dtype == TORCH_DTYPES[dtype]
@@ -135,7 +139,10 @@ def test_matches_numpy_reference(dtype, beta_1, relative_step, multiply_by_param
     # Guard against a vacuous comparison: every variable moved.
     for i, (final, init) in enumerate(zip(expected, inits)):
         assert not np.allclose(final.astype(np.float64), init, rtol=1e-3, atol=0), f"variable {i} never moved"
-    assert scratch.nbytes == 4 * max(int(np.prod(s)) for s in SHAPES)
+    # At most two buffers (a float32 copy of a bf16 block, and the update), each of a block at most.
+    largest = max(int(np.prod(s)) for s in SHAPES)
+    block = max(min(largest, chunk_elements), max(int(np.prod(s[1:])) for s in SHAPES))
+    assert scratch.nbytes <= (2 if dtype == "bfloat16" else 1) * 4 * block
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
@@ -220,7 +227,7 @@ def test_no_host_device_synchronisation(sync_counter, extra):
 # ops (CUDA casts on the fly), so a bf16 variable costs temporaries here that it does not on GPU.
 @pytest.mark.parametrize("beta_1", [None, 0.9], ids=["no_momentum", "momentum"])
 @pytest.mark.parametrize("shape", [(256, 512), (256 * 512,)], ids=["factored", "unfactored"])
-def test_no_full_size_allocation_besides_the_scratch(shape, beta_1):
+def test_no_full_size_allocation(shape, beta_1):
     from torch.profiler import ProfilerActivity, profile
 
     options = make_options(NumpyAdafactor(beta_1=beta_1))
@@ -228,14 +235,14 @@ def test_no_full_size_allocation_besides_the_scratch(shape, beta_1):
     param, grad = (to_torch(rng.normal(size=shape), "float32") for _ in range(2))
     slots, momentum = make_state(shape, beta_1)
     scratch = adafactor.Scratch()
-    scratch.like(param)  # allocated before profiling: only the kernel's own temporaries count
+    chunk = param.numel() // 16
     kwargs = dict(learning_rate=torch.tensor(0.01), step=torch.tensor(1.0), options=options, scratch=scratch)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        adafactor.adafactor_step(grad, param, slots, momentum, **kwargs)
-    # Row/column-sized temporaries are at most 512 floats; a copy of the variable is 512 KiB.
+        adafactor.adafactor_step(grad, param, slots, momentum, chunk_elements=chunk, **kwargs)
+    # Row/column-sized temporaries are at most 512 floats, a block 32 KiB; a copy of the variable is 512 KiB.
     largest = max((e.cpu_memory_usage for e in prof.events()), default=0)
     assert largest < param.numel() * 4 // 8, f"an op allocated {largest} bytes"
-    assert scratch.nbytes == 4 * param.numel()
+    assert scratch.nbytes == 4 * chunk
 
 
 def test_scratch_grows_is_reused_and_released():
@@ -270,10 +277,10 @@ def test_scratch_grows_is_reused_and_released():
                 options=options,
                 scratch=scratch,
             )
-            if t > 0:  # the first step grows it to the largest variable
-                storages.add(scratch.like(param).untyped_storage().data_ptr())
+            if t > 0:  # the first step grows it to the largest variable (one block each here)
+                storages.add(scratch.like(param, 1).untyped_storage().data_ptr())
     assert len(storages) == 1
-    assert scratch.nbytes == 4 * 1200
+    assert scratch.nbytes == 4 * (1000 + 1200)  # slot 0 (above), slot 1 (the kernel's update)
 
     # release() drops the buffer: once no view is left, its memory is freed.
     buffer = weakref.ref(scratch.like(params[0])._base)
@@ -283,3 +290,39 @@ def test_scratch_grows_is_reused_and_released():
     assert scratch.nbytes == 0
     assert buffer() is None
     assert scratch.like(torch.empty(2)).shape == (2,) and scratch.nbytes == 8
+
+
+@pytest.mark.parametrize("factored_dims", ["last_two", "two_largest"])
+@pytest.mark.parametrize("beta_1", [None, 0.9], ids=["no_momentum", "momentum"])
+def test_blocks_round_stochastically_as_one_block(beta_1, factored_dims):
+    """A variable updated in blocks gets the same result, stochastic rounding's bits included (their `offset`)."""
+    options = AdafactorOptions(beta_1=beta_1, factored_dims=factored_dims, stochastic_rounding=True, seed=3)
+    rng = np.random.default_rng(4)
+    results = []
+    for chunk in (adafactor.CHUNK_ELEMENTS, 50, 7):
+        params = []
+        for shape in [(40, 30), (9, 20, 6), (300,)]:
+            param = to_torch(rng.normal(size=shape) if chunk == adafactor.CHUNK_ELEMENTS else results[0][len(params)][1], "bfloat16")
+            init = param.clone()
+            grad = to_torch(np.random.default_rng(5).normal(size=shape), "bfloat16")
+            slots, momentum = make_state(shape, beta_1, options)
+            for t in range(3):
+                adafactor.adafactor_step(
+                    grad, param, slots, momentum, learning_rate=torch.tensor(0.01), step=torch.tensor(t + 1),
+                    options=options, scratch=adafactor.Scratch(), variable_index=len(params), chunk_elements=chunk,
+                )
+            params.append((param, to_float64(init)))
+        results.append(params)
+    for blocks in results[1:]:
+        for (whole, _), (blocked, init) in zip(results[0], blocks):
+            assert not np.array_equal(to_float64(whole), init)
+            # The same bits but where float32 sums in another order moved a value across a rounding threshold.
+            assert np.mean(to_float64(whole) == to_float64(blocked)) > 0.99
+
+
+def test_random_bits_offset_is_a_block_of_the_whole():
+    from keras_tpu_optim._math import stochastic_rounding
+
+    whole = keras.ops.convert_to_numpy(stochastic_rounding.random_bits((10, 6), 1, 2, 3))
+    block = keras.ops.convert_to_numpy(stochastic_rounding.random_bits((4, 6), 1, 2, 3, offset=18))
+    np.testing.assert_array_equal(block, whole[3:7])

@@ -47,12 +47,13 @@ def _mix(h):
     return ops.bitwise_xor(h, _shift_right_logical(h, 16))
 
 
-def random_bits(shape, seed, step, variable_index):
+def random_bits(shape, seed, step, variable_index, offset=0):
     """32 random bits per element (int32 of `shape`): a hash of `(seed, step, variable_index, element index)`.
 
     `seed` is an int in `[0, 2^31)`, `step` an integer scalar (tensor or int;
     it wraps modulo 2^32), `variable_index` an integer scalar; the element
-    index is the row-major position in `shape`.
+    index is the row-major position in `shape`, plus `offset` (an int: the
+    position of the first element of a block of a larger variable).
     """
     key = _mix(_int32(seed))
     key = _mix(ops.bitwise_xor(key, ops.add(_int32(step), _int32(_STEP_SALT))))
@@ -60,7 +61,7 @@ def random_bits(shape, seed, step, variable_index):
     size = 1
     for dim in shape:
         size *= int(dim)
-    index = ops.reshape(ops.arange(size, dtype="int32"), tuple(int(d) for d in shape))
+    index = ops.reshape(ops.arange(int(offset), int(offset) + size, dtype="int32"), tuple(int(d) for d in shape))
     h = _mix(ops.add(ops.multiply(index, _int32(_GOLDEN)), key))
     # A second round keyed apart from the first (with `key + _GOLDEN` here,
     # element 1 would cancel to 0 under every key).
@@ -81,7 +82,7 @@ def _round_low_bits(x, bits, dropped: int):
     return ops.view(rounded, "float32")
 
 
-def stochastic_round(x, dtype, *, seed, step, variable_index, shape=None):
+def stochastic_round(x, dtype, *, seed, step, variable_index, shape=None, offset=0):
     """float32 `x` rounded stochastically and without bias to `dtype` (`bfloat16`, `float16`).
 
     Every result is one of the two `dtype` values nearest `x` (`x` itself if
@@ -91,13 +92,15 @@ def stochastic_round(x, dtype, *, seed, step, variable_index, shape=None):
     arithmetic on `|x| * 2^24`, unbiased for every `x` that is a multiple of
     2^-48. float32 subnormal inputs are not promised identical bits (some
     backends flush them to zero). Any other `dtype` is a plain cast. `shape`
-    is `x`'s static shape where `x.shape` may not be fully known.
+    is `x`'s static shape where `x.shape` may not be fully known; `offset`
+    the element index of `x`'s first element when `x` is a row-major block
+    of a larger variable (its elements get that variable's random bits).
     """
     dtype = keras.backend.standardize_dtype(dtype)
     if dtype not in ("bfloat16", "float16"):
         return ops.cast(x, dtype)
     x = ops.cast(x, "float32")
-    bits = random_bits(tuple(x.shape) if shape is None else tuple(shape), seed, step, variable_index)
+    bits = random_bits(tuple(x.shape) if shape is None else tuple(shape), seed, step, variable_index, offset)
     if dtype == "bfloat16":
         rounded = _round_low_bits(x, bits, 16)
     else:
