@@ -143,3 +143,87 @@ def update_rows_in_float32(grad, weight, momenta, velocities, *extra_slots, lear
         options,
     )
     return new_values + (new_steps, ops.cast(new_average, average.dtype))
+
+
+# ------------------------------------------------------- gradient accumulation of rows
+
+
+def accumulated_apply(optimizer, grads, variables, *, rows):
+    """Keras's `gradient_accumulation_steps` step, the rows of sparse gradients accumulated sparsely.
+
+    Keras's own numbers (`BaseOptimizer._backend_apply_gradients`): on
+    micro-steps `acc += g`; on every N-th, one update with the mean
+    `(g + acc) / N`, clipped as Keras clips, then `acc = 0`; then the EMA.
+    A sparse gradient of a table with a `window` slot instead adds its rows
+    into `acc` and records them in `window` (the number of the update the
+    window ends in, so nothing is ever cleared); at the update step the rows
+    of the window are found by one scan of `window` (`(rows,)` int32), and
+    only they are gathered, averaged, updated and zeroed. Dense gradients
+    keep Keras's dense arithmetic (and mark their rows).
+
+    `rows` is the backend's row module: `sparse_entries(gradient)` (`(ids,
+    values)`, or None for a dense gradient), `add_rows(target, ids, values)`,
+    `set_rows(target, ids, values)` and `window_gradient(accumulator, window,
+    number, steps, like)` (the window's rows of `accumulator / steps` as a
+    sparse gradient like `like`, those rows of `accumulator` then zeroed).
+    """
+    steps = optimizer.gradient_accumulation_steps
+    is_update_step = ops.equal((_private.raw_iterations(optimizer) + 1) % steps, 0)
+    number = ops.cast(optimizer.iterations + 1, "int32")  # the update this window ends in
+    accumulators = _private.gradient_accumulators(optimizer)
+    pairs = [
+        (g, accumulators[_private.variable_index(optimizer, v)], optimizer.accumulation_window(v))
+        for g, v in zip(grads, variables)
+    ]
+
+    def update():
+        means = [_window_mean(g, acc, window, number, steps, rows) for g, acc, window in pairs]
+        means = _private.clip_gradients(optimizer, means)
+        _private.apply_weight_decay(optimizer, variables)
+        _private.backend_update_step(optimizer, means, variables, optimizer.learning_rate)
+        # Keras resets every accumulator, also of variables without a gradient at this step.
+        given = {id(acc) for _, acc, _ in pairs}
+        for acc in accumulators:
+            if acc is not None and id(acc) not in given:
+                acc.assign(ops.zeros(acc.shape, acc.dtype))
+
+    def accumulate():
+        for gradient, acc, window in pairs:
+            _add_to_window(gradient, acc, window, number, rows)
+
+    ops.cond(is_update_step, update, accumulate)
+    keras_moving_average(optimizer)
+
+
+def _add_to_window(gradient, accumulator, window, number, rows):
+    entries = rows.sparse_entries(gradient)
+    if entries is None:
+        accumulator.assign(gradient + accumulator)  # Keras's `g + acc`
+        if window is not None:
+            window.assign(adam_math.mark_touched(gradient, window.value, number))
+        return
+    ids, values = entries
+    rows.add_rows(accumulator, ids, values)
+    if window is not None:
+        rows.set_rows(window, ids, ops.zeros(ops.shape(ids), "int32") + number)
+
+
+def _window_mean(gradient, accumulator, window, number, steps, rows):
+    """The mean of the window's gradients, `(g + acc) / steps`; the accumulator is then zero."""
+    entries = None if window is None else rows.sparse_entries(gradient)
+    if entries is None:
+        mean = (gradient + accumulator) / steps  # Keras's dense form
+        accumulator.assign(ops.zeros(accumulator.shape, accumulator.dtype))
+        return mean
+    _add_to_window(gradient, accumulator, window, number, rows)
+    return rows.window_gradient(accumulator, window, number, steps, gradient)
+
+
+def keras_moving_average(optimizer):
+    """The end of Keras's step: the EMA update, and its overwrite of the weights every `ema_overwrite_frequency`."""
+    if not optimizer.use_ema:
+        return
+    _private.update_moving_averages(optimizer)
+    if optimizer.ema_overwrite_frequency:
+        due = ops.equal((optimizer.iterations + 1) % optimizer.ema_overwrite_frequency, 0)
+        ops.cond(due, lambda: _private.overwrite_with_moving_averages(optimizer), lambda: None)

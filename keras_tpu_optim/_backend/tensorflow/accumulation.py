@@ -1,0 +1,83 @@
+"""TensorFlow: the rows of `tf.IndexedSlices` gradients accumulated in place (`neutral.accumulated_apply`).
+
+Scatter-adds, scatter-updates and gathers of the rows named, so a micro-step
+costs O(ids x dim) eagerly, in `tf.function` and under `jit_compile=True`.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from keras_tpu_optim._backend.tensorflow._compile import in_xla_context, native_variable
+from keras_tpu_optim._backend.tensorflow.gradients import sparse_entries as _entries
+
+
+def sparse_entries(gradient):
+    """`(ids, values)` of an IndexedSlices; None for a dense gradient."""
+    if not isinstance(gradient, tf.IndexedSlices):
+        return None
+    indices, values = _entries(gradient)
+    return tf.cast(indices, tf.int32), values
+
+
+def add_rows(target, ids, values):
+    native_variable(target).scatter_add(tf.IndexedSlices(tf.cast(values, target.dtype), ids))
+
+
+def set_rows(target, ids, values):
+    native_variable(target).scatter_update(tf.IndexedSlices(tf.cast(values, target.dtype), ids))
+
+
+def window_gradient(accumulator, window, number, steps, like):
+    """The rows of the window (`window == number`) of `accumulator / steps`, as an IndexedSlices; those rows zeroed.
+
+    One scan of `window` lists the rows. Outside XLA their count is rounded
+    up to a power of two (`bucket_size`), so that the compiled row update
+    (`rows.compiled_lazy_row_update`) sees a handful of batch sizes rather
+    than one per window. Under XLA (static shapes) the list has one entry per
+    row of the table. Padding entries name row `rows` (past the end: XLA
+    drops their scatters) or repeat the first row, before it, with zero
+    values: summed with the row they add nothing, and when the last
+    occurrence wins, the row's own entry is last.
+    """
+    table = native_variable(accumulator)
+    if in_xla_context():
+        ids, real = _static_window_rows(native_variable(window), number)
+    else:
+        ids, real = _bucketed_window_rows(native_variable(window), number)
+    summed = tf.gather(table, ids)
+    # Zeros derived from the rows read (0 for non-finite ones too): the zeroing is then
+    # ordered after the read without a copy of the accumulator.
+    table.scatter_update(tf.IndexedSlices(tf.where(tf.math.is_finite(summed), summed * 0, tf.zeros_like(summed)), ids))
+    real = tf.reshape(real, tf.concat([tf.shape(real), tf.ones([tf.rank(summed) - 1], tf.int32)], 0))
+    mean = tf.where(real, summed / steps, tf.zeros_like(summed))
+    return tf.IndexedSlices(tf.cast(mean, like.values.dtype), ids, like.dense_shape)
+
+
+def _bucketed_window_rows(window, number):
+    """`(ids, real)`: the window's rows, increasing, after `bucket_size - count` copies of the first."""
+    ids = tf.cast(tf.where(tf.equal(window, number))[:, 0], tf.int32)
+    count = tf.shape(ids)[0]
+    padding = bucket_size(count) - count
+    ids = tf.concat([tf.gather(ids, tf.zeros([padding], tf.int32)), ids], 0)
+    return ids, tf.range(tf.shape(ids)[0]) >= padding
+
+
+def _static_window_rows(window, number):
+    """`(ids, real)` of static length `rows`: the window's rows, increasing, then `rows` (past the end)."""
+    num_rows = window.shape[0]
+    mask = tf.equal(window, number)
+    position = tf.cumsum(tf.cast(mask, tf.int32)) - 1
+    target = tf.where(mask, position, num_rows)
+    ids = tf.scatter_nd(target[:, None], tf.range(num_rows), [num_rows + 1])[:num_rows]
+    real = tf.range(num_rows) < tf.reduce_sum(tf.cast(mask, tf.int32))
+    return tf.where(real, ids, num_rows), real
+
+
+def bucket_size(count):
+    """`count` rounded up to a power of two (0 stays 0)."""
+    # Smear the highest bit of count - 1 downwards; 0 gives -1 + 1 = 0.
+    x = tf.cast(count, tf.int32) - 1
+    for shift in (1, 2, 4, 8, 16):
+        x = tf.bitwise.bitwise_or(x, tf.bitwise.right_shift(x, shift))
+    return x + 1

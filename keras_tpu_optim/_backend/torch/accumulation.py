@@ -1,0 +1,41 @@
+"""torch: the rows of sparse COO gradients accumulated in place (`neutral.accumulated_apply`).
+
+`index_add_`, `index_copy_` and `index_select` of the rows named: a
+micro-step costs O(entries x dim).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from keras_tpu_optim import _private
+
+
+def sparse_entries(gradient):
+    """`(ids, values)` of a sparse COO gradient (duplicates kept); None for a dense one."""
+    if not gradient.is_sparse:
+        return None
+    return _private.torch_sparse_entries(gradient)
+
+
+@torch.no_grad()
+def add_rows(target, ids, values):
+    target.value.index_add_(0, ids, values.to(target.value.dtype))
+
+
+@torch.no_grad()
+def set_rows(target, ids, values):
+    target.value.index_copy_(0, ids, values.to(target.value.dtype))
+
+
+@torch.no_grad()
+def window_gradient(accumulator, window, number, steps, like):
+    """The rows of the window (`window == number`) of `accumulator / steps`, a coalesced sparse COO; those rows zeroed.
+
+    One scan of `window` lists the rows (increasing, unique).
+    """
+    ids = torch.nonzero(window.value == number).squeeze(1)
+    summed = accumulator.value.index_select(0, ids)
+    accumulator.value.index_fill_(0, ids, 0)
+    mean = (summed / steps).to(like.dtype)
+    return torch.sparse_coo_tensor(ids[None], mean, size=like.shape, is_coalesced=True, check_invariants=False)
