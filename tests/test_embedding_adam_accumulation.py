@@ -167,6 +167,33 @@ def test_row_accumulation_in_tf_function_and_xla(mode, case):
     run_against_reference(4, "sparse", options, reference_options, mode=mode)
 
 
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="jit_compile is TensorFlow's XLA path")
+@pytest.mark.parametrize("case", ["defaults", "clip", "last_occurrence"])
+def test_row_accumulation_under_xla_in_a_list_of_steps_times_ids(case):
+    """Under XLA a window's rows fit a static list of N x ids (micro-batches of one size), else of the table's rows."""
+    rows, ids_per_step, steps = 40, 3, 3
+    rng = np.random.default_rng(7)
+    # Windows of at most 9 distinct rows (duplicates too), then one whose last micro-batch is smaller.
+    ids_list = [rng.integers(0, rows, ids_per_step) for _ in range(3 * steps)] + [rng.integers(0, rows, 5),
+                                                                                  rng.integers(0, rows, 5), [1]]
+    ids_list[0][1] = ids_list[0][0]
+    options, reference_options = OPTION_CASES[case]
+    shape = (rows, DIM)
+    init = initial_table(shape)
+    variable = keras.Variable(init, name="table")
+    optimizer = kto.EmbeddingAdam(learning_rate=0.05, gradient_accumulation_steps=steps, **options)
+    optimizer.build([variable])
+    reference = NumpyEmbeddingAdam(init, learning_rate=0.05, **reference_options)
+    accumulation = KerasAccumulation(reference, steps)
+    for seed, ids in enumerate(ids_list):
+        ids = np.asarray(ids, np.int64)
+        values = step_values(ids, seed)
+        _apply(optimizer, make_gradient("sparse", ids, values, shape), variable, "xla")
+        accumulation.apply_sparse(ids, values)
+        assert_rows_match_reference(optimizer, variable, reference)
+    assert reference.iterations == 4
+
+
 @pytest.mark.parametrize("kind", GRAD_KINDS)
 @pytest.mark.parametrize("case", ["defaults", "clip", "rowwise_per_row", "decay"])
 def test_row_accumulation_equals_keras_dense_accumulation(case, kind):

@@ -163,9 +163,12 @@ def accumulated_apply(optimizer, grads, variables, *, rows):
 
     `rows` is the backend's row module: `sparse_entries(gradient)` (`(ids,
     values)`, or None for a dense gradient), `add_rows(target, ids, values)`,
-    `set_rows(target, ids, values)` and `window_gradient(accumulator, window,
-    number, steps, like)` (the window's rows of `accumulator / steps` as a
-    sparse gradient like `like`, those rows of `accumulator` then zeroed).
+    `set_rows(target, ids, values)`, `window_sizes(like, window, steps)` (the static
+    lengths to try for the list of a window's rows, smallest first; `(None,)`:
+    dynamic), `window_count(window, number)` and `window_gradient(accumulator,
+    window, number, steps, like, size)` (the window's rows of `accumulator /
+    steps` as a sparse gradient like `like`, in a list of length `size`; those
+    rows of `accumulator` then zeroed).
     """
     steps = optimizer.gradient_accumulation_steps
     is_update_step = ops.equal((_private.raw_iterations(optimizer) + 1) % steps, 0)
@@ -177,10 +180,33 @@ def accumulated_apply(optimizer, grads, variables, *, rows):
     ]
 
     def update():
-        means = [_window_mean(g, acc, window, number, steps, rows) for g, acc, window in pairs]
-        means = _private.clip_gradients(optimizer, means)
-        _private.apply_weight_decay(optimizer, variables)
-        _private.backend_update_step(optimizer, means, variables, optimizer.learning_rate)
+        sparse = [window is not None and rows.sparse_entries(g) is not None for g, _, window in pairs]
+        for (gradient, acc, window), is_sparse in zip(pairs, sparse):
+            if is_sparse:
+                _add_to_window(gradient, acc, window, number, rows)
+        sizes = [
+            rows.window_sizes(g, window, steps) if is_sparse else (None,)
+            for (g, _, window), is_sparse in zip(pairs, sparse)
+        ]
+
+        def update_with(choice):
+            means = [
+                rows.window_gradient(acc, window, number, steps, g, size[choice])
+                if is_sparse
+                else _dense_mean(g, acc, steps)
+                for (g, acc, window), is_sparse, size in zip(pairs, sparse, sizes)
+            ]
+            means = _private.clip_gradients(optimizer, means)
+            _private.apply_weight_decay(optimizer, variables)
+            _private.backend_update_step(optimizer, means, variables, optimizer.learning_rate)
+
+        bounded = [(window, size[0]) for (_, _, window), size in zip(pairs, sizes) if len(size) > 1]
+        if bounded:
+            # Static shapes: the window's rows in a list of the smaller size when they fit, else of the larger.
+            fits = ops.all(ops.stack([rows.window_count(window, number) <= size for window, size in bounded]))
+            ops.cond(fits, lambda: update_with(0), lambda: update_with(-1))
+        else:
+            update_with(0)
         # Keras resets every accumulator, also of variables without a gradient at this step.
         given = {id(acc) for _, acc, _ in pairs}
         for acc in accumulators:
@@ -208,15 +234,11 @@ def _add_to_window(gradient, accumulator, window, number, rows):
         rows.set_rows(window, ids, ops.zeros(ops.shape(ids), "int32") + number)
 
 
-def _window_mean(gradient, accumulator, window, number, steps, rows):
-    """The mean of the window's gradients, `(g + acc) / steps`; the accumulator is then zero."""
-    entries = None if window is None else rows.sparse_entries(gradient)
-    if entries is None:
-        mean = (gradient + accumulator) / steps  # Keras's dense form
-        accumulator.assign(ops.zeros(accumulator.shape, accumulator.dtype))
-        return mean
-    _add_to_window(gradient, accumulator, window, number, rows)
-    return rows.window_gradient(accumulator, window, number, steps, gradient)
+def _dense_mean(gradient, accumulator, steps):
+    """Keras's mean of the window, `(g + acc) / steps`, densely; the accumulator is then zero."""
+    mean = (gradient + accumulator) / steps
+    accumulator.assign(ops.zeros(accumulator.shape, accumulator.dtype))
+    return mean
 
 
 def keras_moving_average(optimizer):

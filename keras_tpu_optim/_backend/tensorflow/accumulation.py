@@ -28,23 +28,44 @@ def set_rows(target, ids, values):
     native_variable(target).scatter_update(tf.IndexedSlices(tf.cast(values, target.dtype), ids))
 
 
-def window_gradient(accumulator, window, number, steps, like):
+def window_sizes(like, window, steps):
+    """The lengths of a window's row list to try, smallest first.
+
+    Outside XLA: dynamic. Under XLA (static shapes): `steps` times this
+    gradient's ids (enough when every micro-batch has as many), if fewer
+    than the table's rows, then the table's rows.
+    """
+    if not in_xla_context():
+        return (None,)
+    num_rows, ids = int(window.shape[0]), like.indices.shape[0]
+    if ids is None or steps * ids >= num_rows:
+        return (num_rows,)
+    return (steps * ids, num_rows)
+
+
+def window_count(window, number):
+    """How many rows the window has (one scan of `window`)."""
+    return tf.reduce_sum(tf.cast(tf.equal(native_variable(window), number), tf.int32))
+
+
+def window_gradient(accumulator, window, number, steps, like, size):
     """The rows of the window (`window == number`) of `accumulator / steps`, as an IndexedSlices; those rows zeroed.
 
-    One scan of `window` lists the rows. Outside XLA their count is rounded
-    up to a power of two (`bucket_size`), so that the compiled row update
-    (`rows.compiled_lazy_row_update`) sees a handful of batch sizes rather
-    than one per window. Under XLA (static shapes) the list has one entry per
-    row of the table. Padding entries name row `rows` (past the end: XLA
-    drops their scatters) or repeat the first row, before it, with zero
-    values: summed with the row they add nothing, and when the last
-    occurrence wins, the row's own entry is last.
+    One scan of `window` lists the rows. With `size` None (outside XLA) their
+    count is rounded up to a power of two (`bucket_size`), so that the
+    compiled row update (`rows.compiled_lazy_row_update`) sees a handful of
+    batch sizes rather than one per window. Under XLA the list has the static
+    length `size` (`window_sizes`; the window's rows must fit). Padding
+    entries name row `rows` (past the end: XLA drops their scatters) or
+    repeat the first row, before it, with zero values: summed with the row
+    they add nothing, and when the last occurrence wins, the row's own entry
+    is last.
     """
     table = native_variable(accumulator)
-    if in_xla_context():
-        ids, real = _static_window_rows(native_variable(window), number)
-    else:
+    if size is None:
         ids, real = _bucketed_window_rows(native_variable(window), number)
+    else:
+        ids, real = _static_window_rows(native_variable(window), number, size)
     summed = tf.gather(table, ids)
     # Zeros derived from the rows read (0 for non-finite ones too): the zeroing is then
     # ordered after the read without a copy of the accumulator.
@@ -63,14 +84,14 @@ def _bucketed_window_rows(window, number):
     return ids, tf.range(tf.shape(ids)[0]) >= padding
 
 
-def _static_window_rows(window, number):
-    """`(ids, real)` of static length `rows`: the window's rows, increasing, then `rows` (past the end)."""
+def _static_window_rows(window, number, size):
+    """`(ids, real)` of static length `size`: the window's rows, increasing, then `rows` (past the end)."""
     num_rows = window.shape[0]
     mask = tf.equal(window, number)
     position = tf.cumsum(tf.cast(mask, tf.int32)) - 1
-    target = tf.where(mask, position, num_rows)
-    ids = tf.scatter_nd(target[:, None], tf.range(num_rows), [num_rows + 1])[:num_rows]
-    real = tf.range(num_rows) < tf.reduce_sum(tf.cast(mask, tf.int32))
+    target = tf.where(mask & (position < size), position, size)
+    ids = tf.scatter_nd(target[:, None], tf.range(num_rows), [size + 1])[:size]
+    real = tf.range(size) < tf.reduce_sum(tf.cast(mask, tf.int32))
     return tf.where(real, ids, num_rows), real
 
 

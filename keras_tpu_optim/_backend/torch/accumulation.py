@@ -28,8 +28,17 @@ def set_rows(target, ids, values):
     target.value.index_copy_(0, ids, values.to(target.value.dtype))
 
 
+def window_sizes(like, window, steps):
+    """Eager: the list of a window's rows has its own length."""
+    return (None,)
+
+
+def window_count(window, number):
+    return torch.sum(window.value == number)
+
+
 @torch.no_grad()
-def window_gradient(accumulator, window, number, steps, like):
+def window_gradient(accumulator, window, number, steps, like, size=None):
     """The rows of the window (`window == number`) of `accumulator / steps`, a coalesced sparse COO; those rows zeroed.
 
     One scan of `window` lists the rows (increasing, unique).
