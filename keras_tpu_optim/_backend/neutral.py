@@ -162,8 +162,8 @@ def accumulated_apply(optimizer, grads, variables, *, rows):
     keep Keras's dense arithmetic (and mark their rows).
 
     `rows` is the backend's row module: `sparse_entries(gradient)` (`(ids,
-    values)`, or None for a dense gradient), `add_rows(target, ids, values)`,
-    `set_rows(target, ids, values)`, `window_sizes(like, window, steps)` (the static
+    values)`, or None for a dense gradient), `add_to_window(accumulator,
+    window, ids, values, number)` (add the rows, mark them), `window_sizes(like, window, steps)` (the static
     lengths to try for the list of a window's rows, smallest first; `(None,)`:
     dynamic), `window_count(window, number)` and `window_gradient(accumulator,
     window, number, steps, like, size)` (the window's rows of `accumulator /
@@ -222,16 +222,14 @@ def accumulated_apply(optimizer, grads, variables, *, rows):
 
 
 def _add_to_window(gradient, accumulator, window, number, rows):
-    entries = rows.sparse_entries(gradient)
+    entries = None if window is None else rows.sparse_entries(gradient)
     if entries is None:
         accumulator.assign(gradient + accumulator)  # Keras's `g + acc`
         if window is not None:
             window.assign(adam_math.mark_touched(gradient, window.value, number))
         return
     ids, values = entries
-    rows.add_rows(accumulator, ids, values)
-    if window is not None:
-        rows.set_rows(window, ids, ops.zeros(ops.shape(ids), "int32") + number)
+    rows.add_to_window(accumulator, window, ids, values, number)
 
 
 def _dense_mean(gradient, accumulator, steps):

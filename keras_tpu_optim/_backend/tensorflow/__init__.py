@@ -54,4 +54,4 @@ def embedding_adam_step(optimizer, gradient, variable, learning_rate):
 
 def accumulated_apply(optimizer, grads, variables, keras_apply):
     """Keras's accumulate-or-update step, IndexedSlices rows accumulated in place (`keras_apply` unused)."""
-    neutral.accumulated_apply(optimizer, grads, variables, rows=accumulation)
+    neutral.accumulated_apply(optimizer, grads, variables, rows=accumulation.for_owner(optimizer))

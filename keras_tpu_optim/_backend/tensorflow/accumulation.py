@@ -6,9 +6,17 @@ costs O(ids x dim) eagerly, in `tf.function` and under `jit_compile=True`.
 
 from __future__ import annotations
 
+import functools
+import types
+
 import tensorflow as tf
 
-from keras_tpu_optim._backend.tensorflow._compile import in_xla_context, native_variable
+from keras_tpu_optim._backend.tensorflow._compile import (
+    compiled_function,
+    compiling_helps,
+    in_xla_context,
+    native_variable,
+)
 from keras_tpu_optim._backend.tensorflow.gradients import sparse_entries as _entries
 
 
@@ -20,12 +28,36 @@ def sparse_entries(gradient):
     return tf.cast(indices, tf.int32), values
 
 
-def add_rows(target, ids, values):
-    native_variable(target).scatter_add(tf.IndexedSlices(tf.cast(values, target.dtype), ids))
+def for_owner(owner):
+    """This module's functions for `neutral.accumulated_apply`, their compiled forms belonging to `owner` (the optimizer)."""
+    return types.SimpleNamespace(
+        sparse_entries=sparse_entries,
+        add_to_window=functools.partial(add_to_window, owner=owner),
+        window_sizes=window_sizes,
+        window_count=window_count,
+        window_gradient=functools.partial(window_gradient, owner=owner),
+    )
 
 
-def set_rows(target, ids, values):
-    native_variable(target).scatter_update(tf.IndexedSlices(tf.cast(values, target.dtype), ids))
+def add_to_window(accumulator, window, ids, values, number, *, owner):
+    """Add the rows `values` into `accumulator` at `ids` (duplicates add up) and mark them `number` in `window`.
+
+    Outside XLA, compiled with XLA (TF's own scatter kernels take several
+    milliseconds on a large table; XLA's update it in place): one compilation
+    per number of ids, belonging to `owner`.
+    """
+    targets = [native_variable(accumulator), native_variable(window)]
+    if compiling_helps():
+        add = compiled_function(owner, "add_to_window", lambda: _add_to_window)
+        add(ids, values, tf.cast(number, tf.int32), targets)
+    else:
+        _add_to_window(ids, values, number, targets)
+
+
+def _add_to_window(ids, values, number, targets):
+    accumulator, window = targets
+    accumulator.scatter_add(tf.IndexedSlices(tf.cast(values, accumulator.dtype), ids))
+    window.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(ids), tf.cast(number, window.dtype)), ids))
 
 
 def window_sizes(like, window, steps):
@@ -48,31 +80,40 @@ def window_count(window, number):
     return tf.reduce_sum(tf.cast(tf.equal(native_variable(window), number), tf.int32))
 
 
-def window_gradient(accumulator, window, number, steps, like, size):
+def window_gradient(accumulator, window, number, steps, like, size, *, owner):
     """The rows of the window (`window == number`) of `accumulator / steps`, as an IndexedSlices; those rows zeroed.
 
     One scan of `window` lists the rows. With `size` None (outside XLA) their
     count is rounded up to a power of two (`bucket_size`), so that the
-    compiled row update (`rows.compiled_lazy_row_update`) sees a handful of
-    batch sizes rather than one per window. Under XLA the list has the static
+    compiled gather-and-zero here and the compiled row update
+    (`rows.compiled_lazy_row_update`) see a handful of sizes rather than one
+    per window. Under XLA the list has the static
     length `size` (`window_sizes`; the window's rows must fit). Padding
     entries name row `rows` (past the end: XLA drops their scatters) or
     repeat the first row, before it, with zero values: summed with the row
     they add nothing, and when the last occurrence wins, the row's own entry
     is last.
     """
-    table = native_variable(accumulator)
+    targets = [native_variable(accumulator), native_variable(window)]
     if size is None:
-        ids, real = _bucketed_window_rows(native_variable(window), number)
+        ids, real = _bucketed_window_rows(targets[1], number)
+        window_mean = compiled_function(owner, "window_mean", lambda: _window_mean) if compiling_helps() else _window_mean
+        mean = window_mean(ids, real, float(steps), targets)
     else:
-        ids, real = _static_window_rows(native_variable(window), number, size)
+        ids, real = _static_window_rows(targets[1], number, size)
+        mean = _window_mean(ids, real, float(steps), targets)
+    return tf.IndexedSlices(tf.cast(mean, like.values.dtype), ids, like.dense_shape)
+
+
+def _window_mean(ids, real, steps, targets):
+    """The rows `ids` of the accumulator over `steps` (0 where not `real`); those rows then zeroed."""
+    table = targets[0]
     summed = tf.gather(table, ids)
     # Zeros derived from the rows read (0 for non-finite ones too): the zeroing is then
     # ordered after the read without a copy of the accumulator.
     table.scatter_update(tf.IndexedSlices(tf.where(tf.math.is_finite(summed), summed * 0, tf.zeros_like(summed)), ids))
     real = tf.reshape(real, tf.concat([tf.shape(real), tf.ones([tf.rank(summed) - 1], tf.int32)], 0))
-    mean = tf.where(real, summed / steps, tf.zeros_like(summed))
-    return tf.IndexedSlices(tf.cast(mean, like.values.dtype), ids, like.dense_shape)
+    return tf.where(real, summed / steps, tf.zeros_like(summed))
 
 
 def _bucketed_window_rows(window, number):

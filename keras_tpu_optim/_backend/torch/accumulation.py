@@ -19,13 +19,10 @@ def sparse_entries(gradient):
 
 
 @torch.no_grad()
-def add_rows(target, ids, values):
-    target.value.index_add_(0, ids, values.to(target.value.dtype))
-
-
-@torch.no_grad()
-def set_rows(target, ids, values):
-    target.value.index_copy_(0, ids, values.to(target.value.dtype))
+def add_to_window(accumulator, window, ids, values, number):
+    """Add the rows `values` into `accumulator` at `ids` (duplicates add up) and mark them `number` in `window`."""
+    accumulator.value.index_add_(0, ids, values.to(accumulator.value.dtype))
+    window.value.index_fill_(0, ids, number)
 
 
 def window_sizes(like, window, steps):
