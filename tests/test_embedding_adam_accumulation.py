@@ -388,3 +388,24 @@ def test_sparse_micro_steps_never_read_untouched_accumulator_rows(mode):
     assert np.isfinite(weights).all()
     np.testing.assert_array_equal(weights[untouched], init[untouched])
     assert int(ops.convert_to_numpy(optimizer.iterations)) == 2
+
+
+@pytest.mark.parametrize("mode", ["eager", "xla"])
+@pytest.mark.parametrize("kind", GRAD_KINDS)
+@pytest.mark.parametrize("rank", [1, 3])
+def test_row_accumulation_of_other_ranks(rank, kind, mode):
+    """A rank-1 table's rows are elements; a rank-3 table's rows are matrices."""
+    if mode == "xla" and (BACKEND != "tensorflow" or kind == "dense"):
+        pytest.skip("jit_compile is TensorFlow's XLA path (run with its IndexedSlices)")
+    shape = (ROWS,) if rank == 1 else (ROWS, 2, DIM)
+    steps = 2
+    init = initial_table(shape)
+    variable = keras.Variable(init, name="table")
+    optimizer = kto.EmbeddingAdam(learning_rate=0.05, gradient_accumulation_steps=steps, **NEW_OPTIONS)
+    reference = NumpyEmbeddingAdam(init, learning_rate=0.05, **NEW_OPTIONS)
+    accumulation = KerasAccumulation(reference, steps)
+    for seed, ids in enumerate(ACCUMULATION_IDS[:8]):
+        values = step_values(ids, seed, shape[1:])
+        _apply(optimizer, make_gradient(kind, ids, values, shape), variable, mode)
+        accumulation.apply_sparse(ids, values)
+        assert_rows_match_reference(optimizer, variable, reference)
