@@ -423,7 +423,8 @@ class EmbeddingAdam(OptimizerBase):
         """
         accumulator = _private.gradient_accumulators(self)[owner]
         window = ops.zeros((accumulator.shape[0],), "int32")
-        return adam_math.mark_touched(ops.convert_to_tensor(accumulator), window, ops.cast(self.iterations + 1, "int32"))
+        number = ops.cast(self.iterations + 1, "int32")
+        return adam_math.mark_touched(ops.convert_to_tensor(accumulator), window, number)
 
     def _create_slots_with_user_fn(self, var):
         initializers = [keras.initializers.Zeros() for _ in SLOT_NAMES]

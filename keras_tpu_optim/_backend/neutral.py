@@ -179,34 +179,26 @@ def accumulated_apply(optimizer, grads, variables, *, rows):
         for g, v in zip(grads, variables)
     ]
 
-    def update():
-        sparse = [window is not None and rows.sparse_entries(g) is not None for g, _, window in pairs]
-        for (gradient, acc, window), is_sparse in zip(pairs, sparse):
-            if is_sparse:
-                _add_to_window(gradient, acc, window, number, rows)
-        sizes = [
-            rows.window_sizes(g, window, steps) if is_sparse else (None,)
-            for (g, _, window), is_sparse in zip(pairs, sparse)
+    sparse = [window is not None and rows.sparse_entries(g) is not None for g, _, window in pairs]
+    # A sparse gradient joins the window at every micro-step, the update step's included.
+    for (gradient, acc, window), is_sparse in zip(pairs, sparse):
+        if is_sparse:
+            _add_to_window(gradient, acc, window, number, rows)
+    sizes = [
+        rows.window_sizes(g, window, steps) if is_sparse else (None,)
+        for (g, _, window), is_sparse in zip(pairs, sparse)
+    ]
+
+    def update_with(choice):
+        means = [
+            rows.window_gradient(acc, window, number, steps, g, size[choice])
+            if is_sparse
+            else _dense_mean(g, acc, steps)
+            for (g, acc, window), is_sparse, size in zip(pairs, sparse, sizes)
         ]
-
-        def update_with(choice):
-            means = [
-                rows.window_gradient(acc, window, number, steps, g, size[choice])
-                if is_sparse
-                else _dense_mean(g, acc, steps)
-                for (g, acc, window), is_sparse, size in zip(pairs, sparse, sizes)
-            ]
-            means = _private.clip_gradients(optimizer, means)
-            _private.apply_weight_decay(optimizer, variables)
-            _private.backend_update_step(optimizer, means, variables, optimizer.learning_rate)
-
-        bounded = [(window, size[0]) for (_, _, window), size in zip(pairs, sizes) if len(size) > 1]
-        if bounded:
-            # Static shapes: the window's rows in a list of the smaller size when they fit, else of the larger.
-            fits = ops.all(ops.stack([rows.window_count(window, number) <= size for window, size in bounded]))
-            ops.cond(fits, lambda: update_with(0), lambda: update_with(-1))
-        else:
-            update_with(0)
+        means = _private.clip_gradients(optimizer, means)
+        _private.apply_weight_decay(optimizer, variables)
+        _private.backend_update_step(optimizer, means, variables, optimizer.learning_rate)
         # Keras resets every accumulator, also of variables without a gradient at this step.
         given = {id(acc) for _, acc, _ in pairs}
         for acc in accumulators:
@@ -214,10 +206,22 @@ def accumulated_apply(optimizer, grads, variables, *, rows):
                 acc.assign(ops.zeros(acc.shape, acc.dtype))
 
     def accumulate():
-        for gradient, acc, window in pairs:
-            _add_to_window(gradient, acc, window, number, rows)
+        for (gradient, acc, window), is_sparse in zip(pairs, sparse):
+            if not is_sparse:
+                _add_to_window(gradient, acc, window, number, rows)
 
-    ops.cond(is_update_step, update, accumulate)
+    bounded = [(window, size[0]) for (_, _, window), size in zip(pairs, sizes) if len(size) > 1]
+    if not bounded:
+        ops.cond(is_update_step, lambda: update_with(0), accumulate)
+    else:
+        # Static shapes: at the update step the window's rows are listed in the smaller size when they
+        # fit, else in the larger. One three-way switch: a nested `cond` makes XLA copy the state.
+        def fits():
+            return ops.all(ops.stack([rows.window_count(window, number) <= size for window, size in bounded]))
+
+        small = ops.cond(is_update_step, fits, lambda: ops.convert_to_tensor(True))
+        branch = ops.where(is_update_step, ops.where(small, 1, 2), 0)
+        ops.switch(branch, [accumulate, lambda: update_with(0), lambda: update_with(-1)])
     keras_moving_average(optimizer)
 
 

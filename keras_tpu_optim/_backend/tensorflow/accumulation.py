@@ -29,7 +29,7 @@ def sparse_entries(gradient):
 
 
 def for_owner(owner):
-    """This module's functions for `neutral.accumulated_apply`, their compiled forms belonging to `owner` (the optimizer)."""
+    """This module's functions for `neutral.accumulated_apply`; their compiled forms belong to `owner`."""
     return types.SimpleNamespace(
         sparse_entries=sparse_entries,
         add_to_window=functools.partial(add_to_window, owner=owner),
@@ -97,7 +97,9 @@ def window_gradient(accumulator, window, number, steps, like, size, *, owner):
     targets = [native_variable(accumulator), native_variable(window)]
     if size is None:
         ids, real = _bucketed_window_rows(targets[1], number)
-        window_mean = compiled_function(owner, "window_mean", lambda: _window_mean) if compiling_helps() else _window_mean
+        window_mean = _window_mean
+        if compiling_helps():
+            window_mean = compiled_function(owner, "window_mean", lambda: _window_mean)
         mean = window_mean(ids, real, float(steps), targets)
     else:
         ids, real = _static_window_rows(targets[1], number, size)
