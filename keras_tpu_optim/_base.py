@@ -19,6 +19,9 @@ class VariableState(NamedTuple):
 
     slots: tuple
     momentum: Optional[keras.Variable] = None
+    # EmbeddingAdam under `gradient_accumulation_steps`: per row, the update whose window last
+    # touched it (int32, `(rows,)`); see `EmbeddingAdam.accumulates_rows`.
+    window: Optional[keras.Variable] = None
 
 
 class OptimizerBase(keras.optimizers.Optimizer):

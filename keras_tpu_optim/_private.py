@@ -94,6 +94,37 @@ def raw_iterations(optimizer):
 EMA_HOOKS = ("_update_model_variables_moving_average", "_overwrite_model_variables_with_average_value")
 
 
+# Keras's step after unscaling, overridden by EmbeddingAdam to accumulate the rows of sparse
+# gradients sparsely: `apply` calls it with the filtered gradients and variables; it runs the
+# accumulate-or-update of `gradient_accumulation_steps`, then the EMA.
+ACCUMULATION_HOOK = "_backend_apply_gradients"
+
+
+def clip_gradients(optimizer, grads) -> list:
+    """Keras's `clipnorm`/`global_clipnorm` (and `clipvalue`) of a step's gradients."""
+    return optimizer._clip_gradients(grads)
+
+
+def apply_weight_decay(optimizer, variables) -> None:
+    """Keras's decoupled weight decay of a step (before the update)."""
+    optimizer._apply_weight_decay(variables)
+
+
+def backend_update_step(optimizer, grads, variables, learning_rate) -> None:
+    """Keras's per-step loop over `update_step` (its TF form handles `tf.distribute`)."""
+    optimizer._backend_update_step(grads, variables, learning_rate)
+
+
+def update_moving_averages(optimizer) -> None:
+    """Keras's EMA update after a step (the first of `EMA_HOOKS`)."""
+    getattr(optimizer, EMA_HOOKS[0])(trainable_variables(optimizer))
+
+
+def overwrite_with_moving_averages(optimizer) -> None:
+    """Keras's installing of the averages as the weights (the second of `EMA_HOOKS`)."""
+    getattr(optimizer, EMA_HOOKS[1])(trainable_variables(optimizer))
+
+
 def gradient_accumulators(optimizer) -> list:
     """The gradient accumulators of `gradient_accumulation_steps`, one per model variable."""
     return list(getattr(optimizer, "_accumulated_gradients", None) or [])

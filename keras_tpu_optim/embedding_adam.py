@@ -12,6 +12,8 @@ from keras_tpu_optim._math import embedding_adam as adam_math
 SLOT_NAMES = ("momenta", "velocities")
 SECOND_MOMENTS = ("full", "rowwise")
 BIAS_CORRECTIONS = ("global", "per_row")
+# The role of the per-row slot of the accumulation window (`EmbeddingAdam.accumulates_rows`).
+WINDOW_ROLE = "accumulation_window"
 
 
 def _check_choice(name, value, choices):
@@ -281,7 +283,39 @@ class EmbeddingAdam(OptimizerBase):
         if self.lazy_ema:
             # The EMA updates each row's average reflects (see `ema_step`).
             slots += (_slots.add_slot(self, variable, "average_steps", kept_axes=(0,), dtype="int32"),)
-        return VariableState(slots)
+        window = None
+        if self.accumulates_rows:
+            window = _slots.add_slot(self, variable, WINDOW_ROLE, kept_axes=(0,), dtype="int32")
+        return VariableState(slots, window=window)
+
+    # ---------------------------------------------------------------- gradient accumulation
+
+    @property
+    def accumulates_rows(self) -> bool:
+        """Whether Keras's `gradient_accumulation_steps` accumulates sparse gradients by rows: with `lazy_adam`.
+
+        Keras adds every micro-batch's gradient into a dense, table-sized
+        accumulator and zeroes it densely. Here the rows of a sparse gradient
+        (`tf.IndexedSlices`, a torch sparse tensor) are added into the same
+        accumulator in place, and an int32 `accumulation_window` slot of shape
+        `(rows,)` records, per row, the number of the update whose window last
+        touched it. At the update step one scan of that slot lists the
+        window's rows; only they are averaged, updated and zeroed. Keras's
+        numbers, at O(rows touched) a micro-step plus one `(rows,)` scan per
+        update. (On JAX, Keras's stateless dense form is kept.)
+        """
+        return bool(self.lazy_adam and self.gradient_accumulation_steps)
+
+    def accumulation_window(self, variable):
+        """The `accumulation_window` slot of `variable`, or None (see `accumulates_rows`)."""
+        state = self.state_of(variable)
+        return None if state is None else state.window
+
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        # Keras's hook (_private.ACCUMULATION_HOOK): the accumulate-or-update step and the EMA.
+        if not self.accumulates_rows:
+            return super()._backend_apply_gradients(grads, trainable_variables)
+        self._backend.accumulated_apply(self, grads, trainable_variables, super()._backend_apply_gradients)
 
     # ---------------------------------------------------------------- lazy EMA
 
@@ -374,13 +408,28 @@ class EmbeddingAdam(OptimizerBase):
         return super()._overwrite_model_variables_with_average_value(trainable_variables)
 
     def optional_state_roles(self) -> frozenset:
-        return frozenset({"average_steps"})
+        return frozenset({"average_steps", WINDOW_ROLE})
 
     def fill_missing_state(self, variables) -> None:
-        # State saved before the EMA was lazy: its averages were updated at every step.
-        count = ops.cast(_private.raw_iterations(self), "int32")
         for variable in variables:
-            variable.assign(ops.zeros(variable.shape, variable.dtype) + ops.cast(count, variable.dtype))
+            owner, role = _slots.role_of(self, variable)
+            if role == WINDOW_ROLE:
+                variable.assign(self._derived_window(owner))
+            else:
+                # State saved before the EMA was lazy: its averages were updated at every step.
+                count = ops.cast(_private.raw_iterations(self), "int32")
+                variable.assign(ops.zeros(variable.shape, variable.dtype) + ops.cast(count, variable.dtype))
+
+    def _derived_window(self, owner):
+        """The window slot of a state saved without one (dense accumulation): the rows the accumulator holds.
+
+        Rows whose gradients summed to exactly zero are left out, as Keras's
+        dense mean leaves them untouched.
+        """
+        accumulator = _private.gradient_accumulators(self)[owner]
+        window = ops.zeros((accumulator.shape[0],), "int32")
+        number = ops.cast(self.iterations + 1, "int32")
+        return adam_math.mark_touched(ops.convert_to_tensor(accumulator), window, number)
 
     def _create_slots_with_user_fn(self, var):
         initializers = [keras.initializers.Zeros() for _ in SLOT_NAMES]

@@ -182,3 +182,41 @@ def test_ema_hooks_exist_and_apply_calls_the_update_hook(hook, monkeypatch):
         # (Keras's JAX optimizer overwrites the variables inline rather than through the second hook.)
         assert calls, f"Keras's apply no longer calls {hook}"
     optimizer.finalize_variable_values([variable])
+
+
+def test_accumulation_hook_exists_and_apply_calls_it(monkeypatch):
+    """EmbeddingAdam overrides Keras's `_backend_apply_gradients` (the accumulate-or-update step)."""
+    assert callable(getattr(keras.optimizers.Optimizer, _private.ACCUMULATION_HOOK))
+    assert _private.ACCUMULATION_HOOK in vars(kto.EmbeddingAdam)
+    variable = keras.Variable(np.ones((3, 2), np.float32))
+    optimizer = built(kto.EmbeddingAdam(gradient_accumulation_steps=2), [variable])
+    calls = []
+    original = getattr(kto.EmbeddingAdam, _private.ACCUMULATION_HOOK)
+
+    def spy(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(kto.EmbeddingAdam, _private.ACCUMULATION_HOOK, spy)
+    optimizer.apply([np.ones((3, 2), np.float32)], [variable])
+    assert calls, f"Keras's apply no longer calls {_private.ACCUMULATION_HOOK}"
+
+
+def test_keras_step_parts_the_accumulation_calls():
+    """The parts of Keras's step `_backend.neutral.accumulated_apply` runs: clip, decay, update loop, EMA hooks."""
+    variable = keras.Variable(np.ones((3, 2), np.float32))
+    optimizer = built(kto.EmbeddingAdam(0.1, clipnorm=1.0, use_ema=True, ema_overwrite_frequency=1), [variable])
+    gradient = keras.ops.convert_to_tensor(np.array([[3.0, 4.0], [0.0, 0.0], [0.0, 0.0]], np.float32))
+    (clipped,) = _private.clip_gradients(optimizer, [gradient])
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(clipped)[0], [0.6, 0.8], rtol=1e-6)
+    _private.apply_weight_decay(optimizer, [variable])  # EmbeddingAdam's: lazy, so nothing here
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable), 1.0)
+    _private.backend_update_step(optimizer, [clipped], [variable], optimizer.learning_rate)
+    after = keras.ops.convert_to_numpy(variable)
+    assert np.all(after[0] < 1.0) and np.all(after[1:] == 1.0)
+    _private.update_moving_averages(optimizer)
+    (average,) = _private.moving_averages(optimizer)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(average), after)
+    variable.assign(np.zeros((3, 2), np.float32))
+    _private.overwrite_with_moving_averages(optimizer)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(variable), after)

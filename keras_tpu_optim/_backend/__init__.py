@@ -14,6 +14,10 @@ functions; the optimizers call them and never ask which backend runs:
 - `adafactor_step(optimizer, gradient, variable, learning_rate)` and
   `embedding_adam_step(optimizer, gradient, variable, learning_rate)`: one
   optimizer step for one variable, in place.
+- `accumulated_apply(optimizer, grads, variables, keras_apply)`: Keras's
+  `gradient_accumulation_steps` step for EmbeddingAdam's tables, the rows of
+  sparse gradients accumulated sparsely where the backend can (`keras_apply`
+  is Keras's own step).
 - `adafactor_reductions(platform)`: the reductions Adafactor's math uses on
   that platform (see `_math.adafactor.Reductions`).
 
@@ -44,6 +48,7 @@ INTERFACE = (
     "apply_if",
     "adafactor_step",
     "embedding_adam_step",
+    "accumulated_apply",
     "adafactor_reductions",
 )
 

@@ -143,3 +143,111 @@ def update_rows_in_float32(grad, weight, momenta, velocities, *extra_slots, lear
         options,
     )
     return new_values + (new_steps, ops.cast(new_average, average.dtype))
+
+
+# ------------------------------------------------------- gradient accumulation of rows
+
+
+def accumulated_apply(optimizer, grads, variables, *, rows):
+    """Keras's `gradient_accumulation_steps` step, the rows of sparse gradients accumulated sparsely.
+
+    Keras's own numbers (`BaseOptimizer._backend_apply_gradients`): on
+    micro-steps `acc += g`; on every N-th, one update with the mean
+    `(g + acc) / N`, clipped as Keras clips, then `acc = 0`; then the EMA.
+    A sparse gradient of a table with a `window` slot instead adds its rows
+    into `acc` and records them in `window` (the number of the update the
+    window ends in, so nothing is ever cleared); at the update step the rows
+    of the window are found by one scan of `window` (`(rows,)` int32), and
+    only they are gathered, averaged, updated and zeroed. Dense gradients
+    keep Keras's dense arithmetic (and mark their rows).
+
+    `rows` is the backend's row module: `sparse_entries(gradient)` (`(ids,
+    values)`, or None for a dense gradient), `add_to_window(accumulator,
+    window, ids, values, number)` (add the rows, mark them), `window_sizes(like, window, steps)` (the static
+    lengths to try for the list of a window's rows, smallest first; `(None,)`:
+    dynamic), `window_count(window, number)` and `window_gradient(accumulator,
+    window, number, steps, like, size)` (the window's rows of `accumulator /
+    steps` as a sparse gradient like `like`, in a list of length `size`; those
+    rows of `accumulator` then zeroed).
+    """
+    steps = optimizer.gradient_accumulation_steps
+    is_update_step = ops.equal((_private.raw_iterations(optimizer) + 1) % steps, 0)
+    number = ops.cast(optimizer.iterations + 1, "int32")  # the update this window ends in
+    accumulators = _private.gradient_accumulators(optimizer)
+    pairs = [
+        (g, accumulators[_private.variable_index(optimizer, v)], optimizer.accumulation_window(v))
+        for g, v in zip(grads, variables)
+    ]
+
+    sparse = [window is not None and rows.sparse_entries(g) is not None for g, _, window in pairs]
+    # A sparse gradient joins the window at every micro-step, the update step's included.
+    for (gradient, acc, window), is_sparse in zip(pairs, sparse):
+        if is_sparse:
+            _add_to_window(gradient, acc, window, number, rows)
+    sizes = [
+        rows.window_sizes(g, window, steps) if is_sparse else (None,)
+        for (g, _, window), is_sparse in zip(pairs, sparse)
+    ]
+
+    def update_with(choice):
+        means = [
+            rows.window_gradient(acc, window, number, steps, g, size[choice])
+            if is_sparse
+            else _dense_mean(g, acc, steps)
+            for (g, acc, window), is_sparse, size in zip(pairs, sparse, sizes)
+        ]
+        means = _private.clip_gradients(optimizer, means)
+        _private.apply_weight_decay(optimizer, variables)
+        _private.backend_update_step(optimizer, means, variables, optimizer.learning_rate)
+        # Keras resets every accumulator, also of variables without a gradient at this step.
+        given = {id(acc) for _, acc, _ in pairs}
+        for acc in accumulators:
+            if acc is not None and id(acc) not in given:
+                acc.assign(ops.zeros(acc.shape, acc.dtype))
+
+    def accumulate():
+        for (gradient, acc, window), is_sparse in zip(pairs, sparse):
+            if not is_sparse:
+                _add_to_window(gradient, acc, window, number, rows)
+
+    bounded = [(window, size[0]) for (_, _, window), size in zip(pairs, sizes) if len(size) > 1]
+    if not bounded:
+        ops.cond(is_update_step, lambda: update_with(0), accumulate)
+    else:
+        # Static shapes: at the update step the window's rows are listed in the smaller size when they
+        # fit, else in the larger. One three-way switch: a nested `cond` makes XLA copy the state.
+        def fits():
+            return ops.all(ops.stack([rows.window_count(window, number) <= size for window, size in bounded]))
+
+        small = ops.cond(is_update_step, fits, lambda: ops.convert_to_tensor(True))
+        branch = ops.where(is_update_step, ops.where(small, 1, 2), 0)
+        ops.switch(branch, [accumulate, lambda: update_with(0), lambda: update_with(-1)])
+    keras_moving_average(optimizer)
+
+
+def _add_to_window(gradient, accumulator, window, number, rows):
+    entries = None if window is None else rows.sparse_entries(gradient)
+    if entries is None:
+        accumulator.assign(gradient + accumulator)  # Keras's `g + acc`
+        if window is not None:
+            window.assign(adam_math.mark_touched(gradient, window.value, number))
+        return
+    ids, values = entries
+    rows.add_to_window(accumulator, window, ids, values, number)
+
+
+def _dense_mean(gradient, accumulator, steps):
+    """Keras's mean of the window, `(g + acc) / steps`, densely; the accumulator is then zero."""
+    mean = (gradient + accumulator) / steps
+    accumulator.assign(ops.zeros(accumulator.shape, accumulator.dtype))
+    return mean
+
+
+def keras_moving_average(optimizer):
+    """The end of Keras's step: the EMA update, and its overwrite of the weights every `ema_overwrite_frequency`."""
+    if not optimizer.use_ema:
+        return
+    _private.update_moving_averages(optimizer)
+    if optimizer.ema_overwrite_frequency:
+        due = ops.equal((optimizer.iterations + 1) % optimizer.ema_overwrite_frequency, 0)
+        ops.cond(due, lambda: _private.overwrite_with_moving_averages(optimizer), lambda: None)

@@ -175,3 +175,16 @@ def ema_rows(old_weight, new_weight, average, average_steps, ema_step, options: 
     momentum = ops.cast(momentum, "float32")
     average = momentum * before + (1.0 - momentum) * new_weight
     return average, ops.zeros_like(average_steps) + ops.cast(ema_step + 1, average_steps.dtype)
+
+
+def touched_row_mask(gradient):
+    """`(rows,)` booleans: the rows of a dense gradient with any non-zero (or NaN) entry."""
+    nonzero = ops.not_equal(gradient, ops.zeros((), gradient.dtype))
+    if len(gradient.shape) == 1:
+        return nonzero
+    return ops.any(ops.reshape(nonzero, (gradient.shape[0], -1)), axis=1)
+
+
+def mark_touched(gradient, window, number):
+    """An `accumulation_window` slot after a dense gradient: its touched rows get the window's `number`."""
+    return ops.where(touched_row_mask(gradient), ops.cast(number, window.dtype), window)

@@ -196,6 +196,14 @@ class NumpyEmbeddingAdam:
         self.row_steps[np.unique(indices)] += 1
         self.iterations += 1
 
+    def apply_rows(self, rows, gradient):
+        """Update exactly `rows` (lazily) with the dense `gradient`'s rows, after Keras's clipnorm of the whole."""
+        gradient = np.asarray(gradient, np.float64)
+        if self.clipnorm is not None:
+            gradient = clip_by_norm(gradient, self.clipnorm)
+        rows = np.unique(np.asarray(rows, np.int64))
+        self._update(rows, gradient[rows])
+
     def apply_dense_all_rows(self, gradient):
         """Ordinary (non-lazy) Adam on every row."""
         gradient = np.asarray(gradient, np.float64)
@@ -234,3 +242,46 @@ class KerasEma:
 
     def finalize(self):
         self.reference.weights = self.average.astype(self.reference.weight_dtype)
+
+
+class KerasAccumulation:
+    """Keras's `gradient_accumulation_steps=N` around a lazy reference, from docs/algorithms.md.
+
+    Every micro-batch's gradient is added into a table-sized sum (duplicate ids
+    summed) and the rows it names are recorded (a sparse gradient's indices, a
+    dense gradient's rows with any non-zero entry). At every N-th micro-batch
+    the mean `sum / N` (Keras's `clipnorm` applies to it) updates every row
+    named in any of the N micro-batches, one update of the reference; the sum
+    and the rows are then cleared. In between nothing else changes.
+    """
+
+    def __init__(self, reference, steps):
+        self.reference = reference
+        self.steps = steps
+        self.sum = np.zeros(reference.weights.shape, np.float64)
+        self.rows = set()
+        self.micro_steps = 0
+
+    def apply_sparse(self, indices, values):
+        """One micro-batch of a sparse gradient; True if it ended a window (an update)."""
+        indices = np.asarray(indices).reshape(-1)
+        np.add.at(self.sum, indices, np.asarray(values, np.float64))
+        self.rows.update(int(i) for i in indices)
+        return self._step()
+
+    def apply_dense(self, gradient):
+        """One micro-batch of a dense gradient; True if it ended a window (an update)."""
+        gradient = np.asarray(gradient, np.float64)
+        self.sum += gradient
+        nonzero = (gradient != 0).reshape(gradient.shape[0], -1).any(axis=1)
+        self.rows.update(int(i) for i in np.flatnonzero(nonzero))
+        return self._step()
+
+    def _step(self):
+        self.micro_steps += 1
+        if self.micro_steps % self.steps:
+            return False
+        self.reference.apply_rows(sorted(self.rows), self.sum / self.steps)
+        self.sum[:] = 0.0
+        self.rows = set()
+        return True

@@ -5,10 +5,12 @@ from __future__ import annotations
 import functools
 
 import jax
+from keras import ops
 from jax.experimental import sparse as jax_sparse
 
 from keras_tpu_optim._backend import neutral
 from keras_tpu_optim._backend.jax import rows
+from keras_tpu_optim._math import embedding_adam as adam_math
 from keras_tpu_optim._backend.jax.adafactor import adafactor_reductions
 
 
@@ -70,3 +72,20 @@ def embedding_adam_step(optimizer, gradient, variable, learning_rate):
     neutral.embedding_adam_step(
         optimizer, gradient, variable, learning_rate, lazy_row_update=lazy_row_update, densify=densify
     )
+
+
+def accumulated_apply(optimizer, grads, variables, keras_apply):
+    """Keras's own accumulate-or-update step (`keras_apply`), BCOO gradients densified, then the window marks.
+
+    Keras's JAX step is stateless (both branches computed, one kept), so the
+    accumulator stays dense; a dense gradient is table-sized anyway. The
+    `window` slot is kept as on the other backends, so a state saved here
+    resumes there.
+    """
+    number = ops.cast(optimizer.iterations + 1, "int32")  # before `apply` counts this micro-step
+    grads = [densify(g) for g in grads]
+    keras_apply(grads, variables)
+    for gradient, variable in zip(grads, variables):
+        window = optimizer.accumulation_window(variable)
+        if window is not None:
+            window.assign(adam_math.mark_touched(gradient, window.value, number))

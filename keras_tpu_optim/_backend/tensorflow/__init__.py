@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from keras_tpu_optim import _private
 from keras_tpu_optim._backend import neutral
-from keras_tpu_optim._backend.tensorflow import rows
+from keras_tpu_optim._backend.tensorflow import accumulation, rows
 from keras_tpu_optim._backend.tensorflow.gradients import densify, gradient_shape, gradient_values, unscale
 from keras_tpu_optim._backend.tensorflow.adafactor import adafactor_reductions, adafactor_step
 
@@ -50,3 +50,8 @@ def embedding_adam_step(optimizer, gradient, variable, learning_rate):
         lazy_row_update=functools.partial(rows.lazy_row_update, accumulate_duplicates=accumulate),
         densify=densify,
     )
+
+
+def accumulated_apply(optimizer, grads, variables, keras_apply):
+    """Keras's accumulate-or-update step, IndexedSlices rows accumulated in place (`keras_apply` unused)."""
+    neutral.accumulated_apply(optimizer, grads, variables, rows=accumulation.for_owner(optimizer))

@@ -9,7 +9,7 @@ from keras import ops
 
 from keras_tpu_optim import _private
 from keras_tpu_optim._backend import neutral
-from keras_tpu_optim._backend.torch import adafactor, rows
+from keras_tpu_optim._backend.torch import accumulation, adafactor, rows
 from keras_tpu_optim._math import adafactor as adafactor_math
 
 
@@ -93,3 +93,8 @@ def embedding_adam_step(optimizer, gradient, variable, learning_rate):
         ),
         densify=densify,
     )
+
+
+def accumulated_apply(optimizer, grads, variables, keras_apply):
+    """Keras's accumulate-or-update step, sparse COO rows accumulated in place (`keras_apply` unused)."""
+    neutral.accumulated_apply(optimizer, grads, variables, rows=accumulation)

@@ -1,0 +1,147 @@
+"""TensorFlow: the rows of `tf.IndexedSlices` gradients accumulated in place (`neutral.accumulated_apply`).
+
+Scatter-adds, scatter-updates and gathers of the rows named, so a micro-step
+costs O(ids x dim) eagerly, in `tf.function` and under `jit_compile=True`.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import tensorflow as tf
+
+from keras_tpu_optim._backend.tensorflow._compile import (
+    compiled_function,
+    compiling_helps,
+    in_xla_context,
+    native_variable,
+)
+from keras_tpu_optim._backend.tensorflow.gradients import sparse_entries as _entries
+
+
+def sparse_entries(gradient):
+    """`(ids, values)` of an IndexedSlices; None for a dense gradient."""
+    if not isinstance(gradient, tf.IndexedSlices):
+        return None
+    indices, values = _entries(gradient)
+    return tf.cast(indices, tf.int32), values
+
+
+def for_owner(owner):
+    """This module's functions for `neutral.accumulated_apply`; their compiled forms belong to `owner`."""
+    return types.SimpleNamespace(
+        sparse_entries=sparse_entries,
+        add_to_window=functools.partial(add_to_window, owner=owner),
+        window_sizes=window_sizes,
+        window_count=window_count,
+        window_gradient=functools.partial(window_gradient, owner=owner),
+    )
+
+
+def add_to_window(accumulator, window, ids, values, number, *, owner):
+    """Add the rows `values` into `accumulator` at `ids` (duplicates add up) and mark them `number` in `window`.
+
+    Outside XLA, compiled with XLA (TF's own scatter kernels take several
+    milliseconds on a large table; XLA's update it in place): one compilation
+    per number of ids, belonging to `owner`.
+    """
+    targets = [native_variable(accumulator), native_variable(window)]
+    if compiling_helps():
+        add = compiled_function(owner, "add_to_window", lambda: _add_to_window)
+        add(ids, values, tf.cast(number, tf.int32), targets)
+    else:
+        _add_to_window(ids, values, number, targets)
+
+
+def _add_to_window(ids, values, number, targets):
+    accumulator, window = targets
+    accumulator.scatter_add(tf.IndexedSlices(tf.cast(values, accumulator.dtype), ids))
+    window.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(ids), tf.cast(number, window.dtype)), ids))
+
+
+def window_sizes(like, window, steps):
+    """The lengths of a window's row list to try, smallest first.
+
+    Outside XLA: dynamic. Under XLA (static shapes): `steps` times this
+    gradient's ids (enough when every micro-batch has as many), if fewer
+    than the table's rows, then the table's rows.
+    """
+    if not in_xla_context():
+        return (None,)
+    num_rows, ids = int(window.shape[0]), like.indices.shape[0]
+    if ids is None or steps * ids >= num_rows:
+        return (num_rows,)
+    return (steps * ids, num_rows)
+
+
+def window_count(window, number):
+    """How many rows the window has (one scan of `window`)."""
+    return tf.reduce_sum(tf.cast(tf.equal(native_variable(window), number), tf.int32))
+
+
+def window_gradient(accumulator, window, number, steps, like, size, *, owner):
+    """The rows of the window (`window == number`) of `accumulator / steps`, as an IndexedSlices; those rows zeroed.
+
+    One scan of `window` lists the rows. With `size` None (outside XLA) their
+    count is rounded up to a power of two (`bucket_size`), so that the
+    compiled gather-and-zero here and the compiled row update
+    (`rows.compiled_lazy_row_update`) see a handful of sizes rather than one
+    per window. Under XLA the list has the static
+    length `size` (`window_sizes`; the window's rows must fit). Padding
+    entries name row `rows` (past the end: XLA drops their scatters) or
+    repeat the first row, before it, with zero values: summed with the row
+    they add nothing, and when the last occurrence wins, the row's own entry
+    is last.
+    """
+    targets = [native_variable(accumulator), native_variable(window)]
+    if size is None:
+        ids, real = _bucketed_window_rows(targets[1], number)
+        window_mean = _window_mean
+        if compiling_helps():
+            window_mean = compiled_function(owner, "window_mean", lambda: _window_mean)
+        mean = window_mean(ids, real, float(steps), targets)
+    else:
+        ids, real = _static_window_rows(targets[1], number, size)
+        mean = _window_mean(ids, real, float(steps), targets)
+    return tf.IndexedSlices(tf.cast(mean, like.values.dtype), ids, like.dense_shape)
+
+
+def _window_mean(ids, real, steps, targets):
+    """The rows `ids` of the accumulator over `steps` (0 where not `real`); those rows then zeroed."""
+    table = targets[0]
+    summed = tf.gather(table, ids)
+    # Zeros derived from the rows read (0 for non-finite ones too): the zeroing is then
+    # ordered after the read without a copy of the accumulator.
+    table.scatter_update(tf.IndexedSlices(tf.where(tf.math.is_finite(summed), summed * 0, tf.zeros_like(summed)), ids))
+    real = tf.reshape(real, tf.concat([tf.shape(real), tf.ones([tf.rank(summed) - 1], tf.int32)], 0))
+    return tf.where(real, summed / steps, tf.zeros_like(summed))
+
+
+def _bucketed_window_rows(window, number):
+    """`(ids, real)`: the window's rows, increasing, after `bucket_size - count` copies of the first."""
+    ids = tf.cast(tf.where(tf.equal(window, number))[:, 0], tf.int32)
+    count = tf.shape(ids)[0]
+    padding = bucket_size(count) - count
+    ids = tf.concat([tf.gather(ids, tf.zeros([padding], tf.int32)), ids], 0)
+    return ids, tf.range(tf.shape(ids)[0]) >= padding
+
+
+def _static_window_rows(window, number, size):
+    """`(ids, real)` of static length `size`: the window's rows, increasing, then `rows` (past the end)."""
+    num_rows = window.shape[0]
+    mask = tf.equal(window, number)
+    position = tf.cumsum(tf.cast(mask, tf.int32)) - 1
+    target = tf.where(mask & (position < size), position, size)
+    ids = tf.scatter_nd(target[:, None], tf.range(num_rows), [size + 1])[:size]
+    real = tf.range(size) < tf.reduce_sum(tf.cast(mask, tf.int32))
+    return tf.where(real, ids, num_rows), real
+
+
+def bucket_size(count):
+    """`count` rounded up to a power of two (0 stays 0)."""
+    # Smear the highest bit of count - 1 downwards; 0 gives -1 + 1 = 0.
+    x = tf.cast(count, tf.int32) - 1
+    for shift in (1, 2, 4, 8, 16):
+        x = tf.bitwise.bitwise_or(x, tf.bitwise.right_shift(x, shift))
+    return x + 1
