@@ -21,7 +21,9 @@ from keras import ops
 import keras_tpu_optim as kto
 from keras_tpu_optim import _private, _saving
 from tests.reference.numpy_embedding_adam import KerasAccumulation, KerasEma, NumpyEmbeddingAdam
-from tests.test_embedding_adam import (
+# The module pytest collected (as `test_embedding_adam`), not a second copy of it: a second
+# import would register its Keras-serializable test functions again, under the same names.
+from test_embedding_adam import (
     GRAD_KINDS,
     NEW_OPTIONS,
     ROWS,
