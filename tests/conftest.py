@@ -12,3 +12,28 @@ def pytest_report_header(config):
 def _fresh_keras_state():
     keras.backend.clear_session()
     yield
+
+
+# Eager JAX compiles a fresh executable for each `jax.lax.cond` built from new lambdas (Keras's
+# JAX optimizers do this at every eager `apply` with `gradient_accumulation_steps`), and keeps
+# every one in its caches: about 6 memory maps each. Hundreds of tests reach the kernel's
+# `vm.max_map_count` (65530), where XLA's compiler crashes the process. Clearing the caches
+# when the maps pass this bound frees them (a test after it recompiles what it needs).
+_MAX_MAPS_BEFORE_CLEARING = 20000
+
+
+def _memory_maps() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:  # Not Linux: no such limit to watch.
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _bounded_jax_caches():
+    yield
+    if keras.backend.backend() == "jax" and _memory_maps() > _MAX_MAPS_BEFORE_CLEARING:
+        import jax
+
+        jax.clear_caches()
