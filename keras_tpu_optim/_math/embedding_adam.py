@@ -174,7 +174,11 @@ def ema_rows(old_weight, new_weight, average, average_steps, ema_step, options: 
     momentum = ops.where(ema_step < options.ema_copy_updates, 0.0, options.ema_momentum)
     momentum = ops.cast(momentum, "float32")
     average = momentum * before + (1.0 - momentum) * new_weight
-    return average, ops.zeros_like(average_steps) + ops.cast(ema_step + 1, average_steps.dtype)
+    # A row's average reflects at most `ema_step` updates before this one, so this is
+    # `ema_step + 1`. Written from the gathered counts, not as a broadcast: a scatter whose values
+    # do not depend on the gather from the same slot makes XLA copy the whole `(rows,)` slot to
+    # keep the gather's input (two copies a step on TF: 40 MB each at 10M rows).
+    return average, ops.cast(ops.maximum(ops.cast(average_steps, "int32"), ema_step + 1), average_steps.dtype)
 
 
 def touched_row_mask(gradient):
