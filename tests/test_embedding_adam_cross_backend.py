@@ -29,7 +29,16 @@ VOCABULARY, DIM, IDS_PER_EXAMPLE, EXAMPLES = 40, 6, 4, 64
     reason="runs once per suite, from the JAX session: it starts a TensorFlow, a JAX and a torch subprocess itself",
 )
 @pytest.mark.parametrize(
-    "options", [{}, {"second_moment": "rowwise", "bias_correction": "per_row"}], ids=["defaults", "rowwise_per_row"]
+    "options",
+    [
+        {},
+        {"second_moment": "rowwise", "bias_correction": "per_row"},
+        # The lazy EMA, installed in the weights every 3 steps and at the end of fit.
+        {"use_ema": True, "ema_overwrite_frequency": 3},
+        # Row accumulation (TF IndexedSlices, torch sparse) against Keras's dense form (JAX).
+        {"gradient_accumulation_steps": 2, "use_ema": True},
+    ],
+    ids=["defaults", "rowwise_per_row", "ema_overwrite", "accumulation_ema"],
 )
 def test_same_recommender_same_weights_on_tensorflow_jax_and_torch(options, tmp_path):
     rng = np.random.default_rng(7)
@@ -60,7 +69,7 @@ def test_same_recommender_same_weights_on_tensorflow_jax_and_torch(options, tmp_
         results[backend] = dict(np.load(tmp_path / f"{backend}.npz"))
 
     for backend, result in results.items():
-        assert int(result["iterations"]) == 3 * EXAMPLES // 16, backend
+        assert int(result["iterations"]) == 3 * EXAMPLES // 16 // options.get("gradient_accumulation_steps", 1), backend
         # Training really moved the looked-up rows and the dense layer...
         assert (np.abs(result["embedding"][:30] - initial["embedding"][:30]).max(axis=1) > 1e-4).all(), backend
         assert not np.allclose(result["kernel"], initial["kernel"]), backend
