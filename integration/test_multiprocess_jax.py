@@ -122,8 +122,8 @@ def test_two_processes_fit_checkpoint_and_resume(tmp_path):
             for path, (local, total, spec) in split.items():
                 if "_embedding_embeddings_column" in path or "_dense_kernel_row" in path:
                     continue  # Adafactor's statistics along the axis that is not split
-                if "_dense_kernel_average_steps" in path:
-                    continue  # EmbeddingAdam's per-row EMA counter: the kernel's rows are not split
+                if "_dense_kernel_average_steps" in path or "_dense_kernel_accumulation_window" in path:
+                    continue  # EmbeddingAdam's per-row int32 counters (EMA, accumulation): the kernel's rows are not split
                 assert local * 2 == total, (c, path, local, total, spec)
 
     # model.save cannot write state no process holds whole; our part says what to use.
