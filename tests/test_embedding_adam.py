@@ -14,7 +14,6 @@ import math
 import re
 
 import keras
-
 import numpy as np
 import pytest
 from keras import ops
@@ -735,17 +734,11 @@ def test_compiled_row_update_copies_no_table_or_row_slot(case):
         hlo = train_step.experimental_get_compiler_ir(*arguments)(stage="optimized_hlo")
         train_step(*arguments)
     else:
-        import jax
+        from bench_common import jit_stateless_apply  # as Keras's trainer: state donated, returned in input order
         from jax.experimental import sparse as jax_sparse
 
         gradient = jax_sparse.BCOO((values, np.asarray(ids, np.int32)[:, None]), shape=(rows, dim))
-        def apply_in_input_order(optimizer_values, grads, trainable_values):
-            # As Keras's trainer: donated state returned in the order it came in (JAX pairs
-            # donated inputs with outputs of the same shape in order).
-            new_trainable, new_optimizer = optimizer.stateless_apply(optimizer_values, grads, trainable_values)
-            return new_optimizer, new_trainable
-
-        apply = jax.jit(apply_in_input_order, donate_argnums=(0, 2))
+        apply = jit_stateless_apply(optimizer)
         optimizer_values = [v.value for v in optimizer.variables]
         hlo = apply.lower(optimizer_values, [gradient], [variable.value]).compile().as_text()
         optimizer_values, trainable_values = apply(optimizer_values, [gradient], [variable.value])
