@@ -260,6 +260,15 @@ class EmbeddingAdam(OptimizerBase):
         axes = self._kept_axes(variable, name)
         return tuple(variable.shape) if axes is None else tuple(variable.shape[i] for i in axes)
 
+    def build(self, var_list):
+        if self.built:
+            return
+        super().build(var_list)
+        if self.lazy_adam:
+            # Random rows of the tables and of their row slots: the backend may lay them out for that.
+            tables = [v for v, state in zip(var_list, self._states) if state is not None]
+            self._backend.prepare_row_tables([x for v in tables for x in (v, *self.row_slots(v))])
+
     @property
     def plans_slots(self) -> bool:
         # A `slot_variable_creation_fn` makes its own variables, with its own layouts.

@@ -26,6 +26,14 @@ def apply_if(condition, apply, state):
     ops.cond(condition, apply, lambda: None)
 
 
+def prepare_platforms(platforms):
+    """Nothing: no process-level setting was measured to help here."""
+
+
+def prepare_row_tables(variables):
+    """Nothing: no platform measured a faster memory layout for random rows here."""
+
+
 def adafactor_step(optimizer, gradient, variable, learning_rate, reductions=adafactor_math.NEUTRAL):
     """One Adafactor step on a dense gradient, through the optimizer's `assign`s."""
     state = optimizer.state_of(variable)

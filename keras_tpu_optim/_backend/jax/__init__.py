@@ -9,7 +9,7 @@ from keras import ops
 from jax.experimental import sparse as jax_sparse
 
 from keras_tpu_optim._backend import neutral
-from keras_tpu_optim._backend.jax import rows
+from keras_tpu_optim._backend.jax import compile_heap, huge_pages, rows
 from keras_tpu_optim._math import embedding_adam as adam_math
 from keras_tpu_optim._backend.jax.adafactor import adafactor_reductions
 
@@ -53,6 +53,17 @@ def apply_if(condition, apply, state):
     kept = jax.lax.cond(condition, lambda: after, lambda: before)
     for variable, value in zip(state, kept):
         variable.assign(value)
+
+
+def prepare_platforms(platforms):
+    """On CPU, XLA's freed compile heap goes back to the OS before the compiled step runs (see `compile_heap`)."""
+    if "cpu" in platforms:
+        compile_heap.release_after_compilations()
+
+
+def prepare_row_tables(variables):
+    """Huge pages for the tables' CPU buffers (see `huge_pages`): random rows cost fewer TLB misses."""
+    huge_pages.advise_tables(variables)
 
 
 def adafactor_step(optimizer, gradient, variable, learning_rate):

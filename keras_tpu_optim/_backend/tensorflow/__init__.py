@@ -13,6 +13,8 @@ from keras_tpu_optim._backend.tensorflow.gradients import densify, gradient_shap
 from keras_tpu_optim._backend.tensorflow.adafactor import adafactor_reductions, adafactor_step
 
 apply_if = neutral.apply_if  # tf.cond runs only the branch taken: sparse updates stay sparse.
+prepare_platforms = neutral.prepare_platforms
+prepare_row_tables = neutral.prepare_row_tables
 
 
 
