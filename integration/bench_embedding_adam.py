@@ -310,6 +310,30 @@ def measure(make_run, steps, warmup, max_seconds):
     }
 
 
+def measure_interleaved(makers, steps, warmup):
+    """Build every run, then time them a step each in turn: load drift hits all sizes alike.
+
+    `makers` lists `(rows, make_run)`; returns one record per run, as `measure` does
+    (without the peak memory, which steps taken in turn cannot attribute).
+    """
+    runs = [(rows, make()) for rows, make in makers]
+    for i in range(warmup):
+        for _, run in runs:
+            run.step(i)
+            run.sync()
+    times = [[] for _ in runs]
+    for i in range(steps):
+        for k, (_, run) in enumerate(runs):
+            t0 = time.perf_counter()
+            run.step(warmup + i)
+            run.sync()
+            times[k].append((time.perf_counter() - t0) * 1e3)
+    return [{"name": run.name, "grad": run.grad_kind, "rows": rows, "interleaved": True,
+             "median_ms": float(np.median(t)), "min_ms": float(min(t)), "max_ms": float(max(t)),
+             "steps_ms": [round(x, 3) for x in t], "peak_delta_mb": None}
+            for (rows, run), t in zip(runs, times)]
+
+
 # -------------------------------------------------- the torch-only subprocess
 
 
@@ -421,6 +445,9 @@ def main(argv=None):
                     help="run only the configurations whose label contains this, e.g. '[BCOO]' "
                          "(on JAX: then no dense gradients are built, so larger tables fit)")
     ap.add_argument("--quick", action="store_true", help="small tables, for smoke tests")
+    ap.add_argument("--interleave", action="store_true",
+                    help="with --only: build every size's run first, then time them a step each in turn "
+                         "(all sizes in memory at once; growth figures without load drift between sizes)")
     ap.add_argument("--json", default=None, help="write the results as JSON to this path")
     ap.add_argument("--_sparse-adam-peer", dest="peer", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -468,6 +495,18 @@ def main(argv=None):
             msg = f"skipping {OURS_BCOO}: this keras_tpu_optim cannot apply a BCOO gradient ({why})"
             print(msg + "\n", flush=True)
             skipped.append({"rows": None, "name": OURS_BCOO, "reason": msg})
+    if args.interleave:
+        if not args.only:
+            ap.error("--interleave needs --only (every size's runs are held in memory at once)")
+        makers = [(rows, factory) for rows in args.sizes
+                  for label, factory in configs_for(backend, rows, args.dim, make_id_batches(rows, args.ids, 4, args.dim),
+                                                    bcoo=bcoo, only=args.only)]
+        print(f"interleaved: {', '.join(size_label(r) for r, _ in makers)} a step each in turn\n", flush=True)
+        records = measure_interleaved(makers, args.steps, args.warmup)
+        for rec in records:
+            print(f"{size_label(rec['rows']):>5} rows: {rec['name']}: {rec['median_ms']:.2f} ms "
+                  f"(median of {len(rec['steps_ms'])})", flush=True)
+        args.sizes, sizes_done = [], args.sizes
     for rows in args.sizes:
         avail = available_bytes()
         # The same 3 GiB of headroom as the watchdog's default budget.
@@ -493,6 +532,8 @@ def main(argv=None):
         del batches, label, factory  # the closures hold this size's table
         gc.collect()
 
+    if args.interleave:
+        args.sizes = sizes_done
     if backend == "tensorflow":
         measured = [r for r in args.sizes if r not in {s["rows"] for s in skipped}]
         if measured:

@@ -160,6 +160,17 @@ def make_optimizer(name: str):
     raise ValueError(name)
 
 
+def _jax_step_temp_mb(model, x, y):
+    """The temporaries XLA's buffer assignment gives the compiled train step (what it needs besides its
+    inputs and outputs), MB: the step's memory on a device, without the host's compiler heap."""
+    import jax
+
+    state = ([v.value for v in model.trainable_variables], [v.value for v in model.non_trainable_variables],
+             [v.value for v in model.optimizer.variables], [v.value for v in model.metrics_variables])
+    compiled = jax.jit(model.train_step, donate_argnums=0).lower(state, (x, y)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes / 2**20
+
+
 def worker(name: str, quick: bool, steps: int, warmup: int) -> dict:
     import keras
     import numpy as np
@@ -205,6 +216,7 @@ def worker(name: str, quick: bool, steps: int, warmup: int) -> dict:
     peak = mem.stop()
     fit_peak_mb = max(warm_peak["peak_rss_mb"], peak["peak_rss_mb"]) - warm_peak["rss_before_mb"]
     eval_loss = float(model.evaluate(x_eval, y_eval, batch_size=b, verbose=0))
+    xla_temp_mb = _jax_step_temp_mb(model, x[:b], y[:b]) if keras.backend.backend() == "jax" else None
     state_bytes = int(sum(np.prod(v.shape) * np.dtype(keras.backend.standardize_dtype(v.dtype)).itemsize
                           for v in optimizer.variables))
     # The first measured step may pay for a new iterator: the median is over the others.
@@ -225,6 +237,7 @@ def worker(name: str, quick: bool, steps: int, warmup: int) -> dict:
         "peak_method": peak["method"],
         "warmup_rss_growth_mb": warmup_mb,
         "fit_peak_mb": fit_peak_mb,
+        "xla_temp_mb": xla_temp_mb,
     }
 
 
@@ -254,13 +267,14 @@ def run_worker(backend, name, args) -> dict:
 
 
 def _median_of(records, key):
-    values = [r[key] for r in records if "error" not in r]
+    values = [r[key] for r in records if "error" not in r and r.get(key) is not None]
     return statistics.median(values) if values else None
 
 
 def report(backend, runs: dict) -> dict:
     """Tables and the target for one backend; `runs[name]` lists that optimizer's records (one per round)."""
-    med = {name: {k: _median_of(rs, k) for k in ("median_ms", "peak_delta_mb", "fit_peak_mb", "warmup_rss_growth_mb", "eval_loss")}
+    med = {name: {k: _median_of(rs, k) for k in ("median_ms", "peak_delta_mb", "fit_peak_mb", "warmup_rss_growth_mb", "eval_loss",
+                                                   "xla_temp_mb")}
            for name, rs in runs.items()}
     ok = next((r for rs in runs.values() for r in rs if "error" not in r and r["dtype"] == "float32"), None)
     param_mb = ok["param_bytes"] / 2**20 if ok else None
@@ -275,21 +289,22 @@ def report(backend, runs: dict) -> dict:
     for name in MEMORY_RUNS:
         m = med.get(name)
         if not m or m["median_ms"] is None:
-            rows.append([name] + ["error"] * 7)
+            rows.append([name] + ["error"] * 8)
             continue
         rows.append([name, bc.fmt(m["median_ms"], ".0f"), bc.fmt(m["peak_delta_mb"], ".0f"),
                      bc.fmt(above_sgd(name, "peak_delta_mb"), "+.2f"), bc.fmt(m["fit_peak_mb"], ".0f"),
                      bc.fmt(above_sgd(name, "fit_peak_mb"), "+.2f"), bc.fmt(m["warmup_rss_growth_mb"], ".0f"),
-                     bc.fmt(m["eval_loss"], ".4f")])
+                     bc.fmt(m["eval_loss"], ".4f"), bc.fmt(m["xla_temp_mb"], ".1f")])
     rounds = max(len(rs) for rs in runs.values())
     bc.print_table(
         f"fit on {backend}: GPT-2-shaped LM, {bc.fmt(n_params and n_params / 1e6, '.1f')}M params "
         f"({bc.fmt(param_mb, '.0f')} MB float32), median over {rounds} round(s)",
         ["optimizer", "step ms", "step peak MB", "- SGD's, x params", "fit peak MB", "- SGD's, x params",
-         "warm-up MB", "eval loss"], rows)
+         "warm-up MB", "eval loss", "XLA temp MB"], rows)
     print("step peak: RSS over the measured steps above the RSS after the warm-up (what a step allocates and "
           "frees); fit peak: over warm-up and steps above the RSS of the built model (adds what the first steps "
-          "keep: compiled code, optimizer state, allocator pools); x params: over the float32 parameter bytes.\n",
+          "keep: compiled code, optimizer state, allocator pools); x params: over the float32 parameter bytes; XLA "
+          "temp MB (JAX): the compiled train step's temporaries from XLA's buffer assignment.\n",
           flush=True)
 
     def ratio(a, b, key):

@@ -212,7 +212,9 @@ def write_markdown(results, status, path, quick):
             f"`model.fit` on a synthetic bigram language; {any_r['warmup']} warm-up + {any_r['steps']} measured "
             "steps, each optimizer in its own process. Step peak: RSS above the RSS after the warm-up; fit peak: "
             "above the RSS of the built model (compilation, optimizer state and allocator pools included). "
-            "'x params': (figure - SGD's) / float32 parameter bytes.",
+            "'x params': (figure - SGD's) / float32 parameter bytes. XLA temp MB (JAX): the temporaries XLA's "
+            "buffer assignment gives the compiled train step (the step's memory on a device, without the host's "
+            "compiler heap).",
             "",
         ]
         rows = []
@@ -226,9 +228,10 @@ def write_markdown(results, status, path, quick):
                     None if sgd.get(key) is None or not b["param_mb"] else (m[key] - sgd[key]) / b["param_mb"])
                 rows.append([k, f"`{name}`", _f(m["median_ms"], ".0f"), _f(m["peak_delta_mb"], ".0f"),
                              _f(above("peak_delta_mb"), "+.2f"), _f(m.get("fit_peak_mb"), ".0f"),
-                             _f(above("fit_peak_mb"), "+.2f"), _f(m["eval_loss"], ".4f")])
+                             _f(above("fit_peak_mb"), "+.2f"), _f(m["eval_loss"], ".4f"),
+                             _f(m.get("xla_temp_mb"), ".1f")])
         lines += [_md_table(["backend", "optimizer", "step ms", "step peak MB", "x params", "fit peak MB",
-                             "x params", "eval loss"], rows), ""]
+                             "x params", "eval loss", "XLA temp MB"], rows), ""]
         rows = [[k, t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]], t.get("note", "")]
                 for k, r in ft for t in r["backends"][k]["targets"]]
         lines += ["### Targets (issue 13)", "",

@@ -73,6 +73,17 @@ def test_bench_embedding_adam_quick(tmp_path):
     assert (tmp_path / "report" / "benchmarks.png").stat().st_size > 0
 
 
+@pytest.mark.skipif(BACKEND != "jax", reason="the BCOO configuration is JAX's")
+def test_bench_embedding_adam_interleaved_sizes_quick(tmp_path):
+    stdout, data = _run("bench_embedding_adam.py", tmp_path, "--steps", "3", "--warmup", "1", "--only", "[BCOO]",
+                        "--interleave")
+    assert "interleaved: 10k, 100k" in stdout
+    records = [r for r in data["records"] if "error" not in r]
+    assert sorted(r["rows"] for r in records) == [10_000, 100_000]
+    assert all(r["interleaved"] and len(r["steps_ms"]) == 3 for r in records)
+    assert "Growth with the table" in stdout
+
+
 @pytest.mark.skipif(BACKEND not in ("tensorflow", "jax", "torch"), reason="benchmarks cover TF, JAX and torch")
 def test_bench_embedding_options_quick(tmp_path):
     stdout, data = _run("bench_embedding_options.py", tmp_path, "--steps", "8", "--big", "40k")
@@ -101,6 +112,8 @@ def test_bench_fit_quick(tmp_path):
         assert "error" not in record, record
         assert record["peak_delta_mb"] >= 0 and record["fit_peak_mb"] >= 0 and record["median_ms"] > 0
     assert [runs[name][0]["dtype"] for name in rounding] == ["float32", "bfloat16", "bfloat16"]
+    # The compiled step's temporaries, from XLA's buffer assignment: JAX only.
+    assert all((runs[name][0]["xla_temp_mb"] is not None) == (BACKEND == "jax") for name in names)
     assert {t["target"] for t in data["targets"]} >= {"ours peak <= SGD + 0.25x params"}
     # The report writer accepts what the script wrote.
     (tmp_path / "report").mkdir()
