@@ -267,7 +267,7 @@ class EmbeddingAdam(OptimizerBase):
         if self.lazy_adam:
             # Random rows of the tables and of their row slots: the backend may lay them out for that.
             tables = [v for v, state in zip(var_list, self._states) if state is not None]
-            self._backend.prepare_row_tables([x for v in tables for x in (v, *self.row_slots(v))])
+            self._backend.prepare_row_tables(tables, [slot for v in tables for slot in self.row_slots(v)])
 
     @property
     def plans_slots(self) -> bool:

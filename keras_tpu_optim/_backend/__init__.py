@@ -24,9 +24,9 @@ functions; the optimizers call them and never ask which backend runs:
   of the optimizer's variables, for process-level settings a platform needs
   (JAX on CPU: XLA's freed compile heap returned to the OS after each large
   compilation); values never change.
-- `prepare_row_tables(variables)`: called once at `build` with EmbeddingAdam's
-  lazily updated tables and their slots, for what speeds up random row access
-  on a platform (huge pages on CPU under JAX); contents never change.
+- `prepare_row_tables(tables, slots)`: called once at `build` with EmbeddingAdam's
+  lazily updated tables and their row slots, for what speeds up random row
+  access on a platform (huge pages on CPU under JAX); contents never change.
 
 Kernels measured on one platform are chosen by platform (a variable's, from
 `platform_of`), and the neutral `keras.ops` form runs everywhere else

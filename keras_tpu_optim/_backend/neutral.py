@@ -30,7 +30,7 @@ def prepare_platforms(platforms):
     """Nothing: no process-level setting was measured to help here."""
 
 
-def prepare_row_tables(variables):
+def prepare_row_tables(tables, slots):
     """Nothing: no platform measured a faster memory layout for random rows here."""
 
 

@@ -61,9 +61,10 @@ def prepare_platforms(platforms):
         compile_heap.release_after_compilations()
 
 
-def prepare_row_tables(variables):
-    """Huge pages for the tables' CPU buffers (see `huge_pages`): random rows cost fewer TLB misses."""
-    huge_pages.advise_tables(variables)
+def prepare_row_tables(tables, slots):
+    """Huge pages for the tables' and slots' CPU buffers (see `huge_pages`): random rows cost fewer TLB misses."""
+    huge_pages.advise_tables(tables, collapse=True)
+    huge_pages.advise_tables(slots)
 
 
 def adafactor_step(optimizer, gradient, variable, learning_rate):

@@ -4,10 +4,11 @@ A sparse step reads and writes a few thousand random rows of a table and of
 each of its slots; with 4 KiB pages nearly every one of those row accesses
 misses the TLB and walks the page tables. `madvise(MADV_HUGEPAGE)` lets the
 kernel back the tables with 2 MiB pages from then on, and `MADV_COLLAPSE`
-(Linux 6.1+) converts the pages already there. Both are hints about memory
-layout: the contents never change, and a kernel or a setting that refuses
-them (`transparent_hugepage=never`, another OS, an older kernel) leaves
-everything as it was. Only CPU buffers are advised: on GPU and TPU a buffer
+(Linux 6.1+) converts the pages already there (the table's: its slots are
+fresh zeros, whose pages come as they are first written). Both are hints
+about memory layout: the contents never change, and a kernel or a setting
+that refuses them (`transparent_hugepage=never`, another OS, an older
+kernel) leaves everything as it was. Only CPU buffers are advised: on GPU and TPU a buffer
 pointer is not host memory.
 
 The advice follows the memory, not the array: under `jax.jit` with the state
@@ -68,8 +69,16 @@ def cpu_buffers(array):
     return buffers
 
 
-def advise_tables(variables, min_bytes: int = MIN_BYTES) -> int:
-    """Advise huge pages for the CPU buffers of `variables` of at least `min_bytes`; returns the bytes advised."""
+def advise_tables(variables, collapse: bool = False, min_bytes: int = MIN_BYTES) -> int:
+    """Advise huge pages for the CPU buffers of `variables` of at least `min_bytes`; returns the bytes advised.
+
+    `collapse`: also convert the pages already there (for written buffers,
+    such as an initialized table), now: a copy of them, about 2 s per GB on
+    this project's loaded 2-core machine (in a background thread, the
+    kernel's memory-map lock would stall the process's allocations instead).
+    A freshly zeroed slot has no pages yet, and gets huge ones as it is first
+    written.
+    """
     if not enabled():
         return 0
     madvise = None
@@ -82,6 +91,7 @@ def advise_tables(variables, min_bytes: int = MIN_BYTES) -> int:
             madvise = madvise or _madvise()
             if madvise(span[0], span[1], _MADV_HUGEPAGE) != 0:
                 return advised  # Not supported here (no THP, another kernel): stop asking.
-            madvise(span[0], span[1], _MADV_COLLAPSE)  # Best effort: may be refused in part.
+            if collapse:
+                madvise(span[0], span[1], _MADV_COLLAPSE)  # Best effort: may be refused in part.
             advised += span[1]
     return advised
