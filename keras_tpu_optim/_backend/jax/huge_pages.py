@@ -8,8 +8,8 @@ kernel back the tables with 2 MiB pages from then on, and `MADV_COLLAPSE`
 fresh zeros, whose pages come as they are first written). Both are hints
 about memory layout: the contents never change, and a kernel or a setting
 that refuses them (`transparent_hugepage=never`, another OS, an older
-kernel) leaves everything as it was. Only CPU buffers are advised: on GPU and TPU a buffer
-pointer is not host memory.
+kernel) leaves everything as it was. Only CPU buffers are advised: on GPU
+and TPU a buffer pointer is not host memory.
 
 The advice follows the memory, not the array: under `jax.jit` with the state
 donated (Keras's trainer) each step's new table reuses the advised buffer. A
