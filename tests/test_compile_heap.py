@@ -39,7 +39,7 @@ def test_compile_heap_released_after_build_and_not_when_turned_off():
     print(f"RSS kept by the compilation: {plain:.0f} MB plain, {built:.0f} MB after build, {turned_off:.0f} MB off")
     assert plain > 60, "the compilation should leave a heap behind for this test to mean anything"
     assert built < 0.6 * plain
-    assert turned_off > 0.8 * plain
+    assert turned_off > 0.7 * plain
 
 
 def test_registered_once_by_a_cpu_build():
