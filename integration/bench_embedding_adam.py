@@ -296,17 +296,21 @@ def measure(make_run, steps, warmup, max_seconds):
         msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
         print(f"    ERROR: {msg}", flush=True)
         return {"error": msg}
-    name, kind = run.name, run.grad_kind
+    record = timing_record(run, times)
     del run
     gc.collect()
+    return {**record, **peak}
+
+
+def timing_record(run, times):
+    """A run's step times (ms): median, extremes and each step."""
     return {
-        "name": name,
-        "grad": kind,
+        "name": run.name,
+        "grad": run.grad_kind,
         "median_ms": float(np.median(times)),
         "min_ms": float(min(times)),
         "max_ms": float(max(times)),
         "steps_ms": [round(t, 3) for t in times],
-        **peak,
     }
 
 
@@ -328,9 +332,7 @@ def measure_interleaved(makers, steps, warmup):
             run.step(warmup + i)
             run.sync()
             times[k].append((time.perf_counter() - t0) * 1e3)
-    return [{"name": run.name, "grad": run.grad_kind, "rows": rows, "interleaved": True,
-             "median_ms": float(np.median(t)), "min_ms": float(min(t)), "max_ms": float(max(t)),
-             "steps_ms": [round(x, 3) for x in t], "peak_delta_mb": None}
+    return [{**timing_record(run, t), "rows": rows, "interleaved": True, "peak_delta_mb": None}
             for (rows, run), t in zip(runs, times)]
 
 
@@ -506,8 +508,7 @@ def main(argv=None):
         for rec in records:
             print(f"{size_label(rec['rows']):>5} rows: {rec['name']}: {rec['median_ms']:.2f} ms "
                   f"(median of {len(rec['steps_ms'])})", flush=True)
-        args.sizes, sizes_done = [], args.sizes
-    for rows in args.sizes:
+    for rows in [] if args.interleave else args.sizes:
         avail = available_bytes()
         # The same 3 GiB of headroom as the watchdog's default budget.
         need = need_bytes(backend, rows, args.dim, args.only)
@@ -532,8 +533,6 @@ def main(argv=None):
         del batches, label, factory  # the closures hold this size's table
         gc.collect()
 
-    if args.interleave:
-        args.sizes = sizes_done
     if backend == "tensorflow":
         measured = [r for r in args.sizes if r not in {s["rows"] for s in skipped}]
         if measured:

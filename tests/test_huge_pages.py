@@ -94,7 +94,6 @@ def test_not_advised_when_turned_off_or_not_lazy(monkeypatch):
 
 def test_advised_tables_keep_the_numbers_under_jit_with_donation():
     """BCOO steps with duplicates on advised tables, under `jax.jit` with the state donated: the numpy reference."""
-    import jax
     import jax.numpy as jnp
     from jax.experimental import sparse as jax_sparse
 
@@ -106,11 +105,9 @@ def test_advised_tables_keep_the_numbers_under_jit_with_donation():
     assert advised(table)
     reference = NumpyEmbeddingAdam(init, learning_rate=0.01)
 
-    def apply_in_input_order(optimizer_values, grads, trainable_values):
-        new_trainable, new_optimizer = optimizer.stateless_apply(optimizer_values, grads, trainable_values)
-        return new_optimizer, new_trainable
+    from bench_common import jit_stateless_apply  # as Keras's trainer: state donated, returned in input order
 
-    apply = jax.jit(apply_in_input_order, donate_argnums=(0, 2))
+    apply = jit_stateless_apply(optimizer)
     optimizer_values, trainable_values = [v.value for v in optimizer.variables], [table.value]
     for step in range(3):
         ids = np.concatenate([rng.integers(0, ROWS, 500), [5, 5, ROWS - 1]])
