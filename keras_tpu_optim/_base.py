@@ -71,6 +71,10 @@ class OptimizerBase(keras.optimizers.Optimizer):
                     f"{type(self).__name__} can only optimize floating-point variables; "
                     f"variable '{_slots.variable_path(variable)}' has dtype {dtype}."
                 )
+        with self._backend.state_creation_scope():
+            self._build_state(var_list)
+
+    def _build_state(self, var_list):
         if self.plans_slots:
             with _slots.planning(self) as planned:
                 for variable in var_list:

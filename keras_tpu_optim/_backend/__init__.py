@@ -24,6 +24,9 @@ functions; the optimizers call them and never ask which backend runs:
   of the optimizer's variables, for process-level settings a platform needs
   (JAX on CPU: XLA's freed compile heap returned to the OS after each large
   compilation); values never change.
+- `state_creation_scope()`: the context `build` creates the optimizer's state
+  in (TF: out of a function being traced, so that each variable is created
+  and initialised once, eagerly, not as a traced initializer function).
 - `prepare_row_tables(tables, slots)`: called once at `build` with EmbeddingAdam's
   lazily updated tables and their row slots, for what speeds up random row
   access on a platform (huge pages on CPU under JAX); contents never change.
@@ -59,6 +62,7 @@ INTERFACE = (
     "adafactor_reductions",
     "prepare_platforms",
     "prepare_row_tables",
+    "state_creation_scope",
 )
 
 

@@ -6,6 +6,7 @@ gradient, how to update a table's touched rows, which reductions to use).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import keras
@@ -28,6 +29,11 @@ def apply_if(condition, apply, state):
 
 def prepare_platforms(platforms):
     """Nothing: no process-level setting was measured to help here."""
+
+
+def state_creation_scope():
+    """Where an optimizer's `build` creates its state: the current scope (nothing to escape)."""
+    return contextlib.nullcontext()
 
 
 def prepare_row_tables(tables, slots):

@@ -55,6 +55,9 @@ def apply_if(condition, apply, state):
         variable.assign(value)
 
 
+state_creation_scope = neutral.state_creation_scope
+
+
 def prepare_platforms(platforms):
     """On CPU, XLA's freed compile heap goes back to the OS before the compiled step runs (see `compile_heap`)."""
     if "cpu" in platforms:

@@ -32,15 +32,21 @@ def compiling_helps() -> bool:
 _compiled: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def compiled_function(owner, key, make):
+def compiled_function(owner, key, make, *, xla: bool = True):
     """`tf.function(make(), jit_compile=True)`, made once per `(owner, key)`.
 
     A trace belongs to its owner: one made inside one model's train function
     must not be called from another's (TF then refers to the first model's
-    variables).
+    variables). With `xla=False`, a graph function TF runs with its own
+    kernels and never inlines into its caller: one body per traced shape,
+    however many variables call it.
     """
     functions = _compiled.setdefault(owner, {})
     function = functions.get(key)
     if function is None:
-        function = functions[key] = tf.function(make(), jit_compile=True)
+        if xla:
+            function = tf.function(make(), jit_compile=True)
+        else:
+            function = tf.function(make(), autograph=False, experimental_attributes={"_noinline": True})
+        functions[key] = function
     return function

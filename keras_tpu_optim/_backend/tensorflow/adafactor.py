@@ -15,6 +15,7 @@ from keras import ops
 
 from keras_tpu_optim import _private
 from keras_tpu_optim._backend import neutral
+from keras_tpu_optim._backend.tensorflow import adafactor_kernel
 from keras_tpu_optim._backend.tensorflow._compile import compiled_function, compiling_helps, native_variable
 from keras_tpu_optim._backend.tensorflow.gradients import densify
 from keras_tpu_optim._math import adafactor as adafactor_math
@@ -77,33 +78,58 @@ def adafactor_reductions(platform: str) -> adafactor_math.Reductions:
 
 
 def adafactor_step(optimizer, gradient, variable, learning_rate):
-    """One step, compiled on its own with XLA when nothing compiles it already.
+    """One step, by the kernel measured for where it runs.
 
-    Keras's TF trainer runs without XLA on machines without an accelerator, and
-    eager TF runs op by op: every full-size intermediate is then a pass over
-    memory. Under XLA, under a `tf.distribute` strategy (its replica and
-    mirrored variables stay on TF's own path) or in a stateless scope, the
-    step is the neutral one, with the platform's reductions.
+    Under XLA (`jit_compile=True`), under a `tf.distribute` strategy (its
+    replica and mirrored variables stay on TF's own path) or in a stateless
+    scope: the neutral step, with the platform's reductions. Otherwise (Keras's
+    TF trainer without XLA, eager TF): on CPU the block kernel
+    (`adafactor_kernel`, no XLA: measured for memory); on other platforms the
+    step compiled on its own with XLA.
     """
     gradient = densify(gradient)
-    reductions = adafactor_reductions(optimizer.platform_of(variable))
+    platform = optimizer.platform_of(variable)
+    reductions = adafactor_reductions(platform)
     if _private.in_stateless_scope() or not compiling_helps():
         neutral.adafactor_step(optimizer, gradient, variable, learning_rate, reductions)
         return
     state = optimizer.state_of(variable)
-    update = compiled_function(
-        optimizer, ("adafactor", reductions), lambda: _assigning_update(optimizer.options, reductions)
-    )
-    update(
-        tf.convert_to_tensor(gradient),
-        native_variable(variable),
-        tuple(native_variable(s) for s in state.slots),
-        None if state.momentum is None else native_variable(state.momentum),
-        tf.convert_to_tensor(learning_rate),
-        tf.convert_to_tensor(optimizer.iterations + 1),
-        # A tensor, so that one trace serves every variable of a shape.
-        tf.constant(_private.variable_index(optimizer, variable), tf.int32),
-    )
+    step = optimizer.iterations + 1
+    variable_index = _private.variable_index(optimizer, variable)
+    if platform == "cpu":
+        update = compiled_function(
+            optimizer, "adafactor_blocks", lambda: _blocked_update(optimizer.options), xla=False
+        )
+    else:
+        update = compiled_function(
+            optimizer, ("adafactor", reductions), lambda: _assigning_update(optimizer.options, reductions)
+        )
+    with adafactor_kernel.after_previous_step() as done:
+        done.append(
+            update(
+                tf.convert_to_tensor(gradient),
+                native_variable(variable),
+                tuple(native_variable(s) for s in state.slots),
+                None if state.momentum is None else native_variable(state.momentum),
+                tf.convert_to_tensor(learning_rate),
+                tf.convert_to_tensor(step),
+                # A tensor, so that one trace serves every variable of a shape.
+                tf.constant(variable_index, tf.int32),
+            )
+        )
+
+
+def _blocked_update(options):
+    def update(grad, variable, slots, momentum, learning_rate, step, variable_index):
+        assignments = adafactor_kernel.adafactor_step(
+            grad, variable, slots, momentum,
+            learning_rate=learning_rate, step=step, options=options, variable_index=variable_index,
+        )
+        with tf.control_dependencies(assignments):
+            return tf.zeros([])  # done: the caller orders the next variable's step after it
+
+    return update
+
 
 
 def _assigning_update(options, reductions):

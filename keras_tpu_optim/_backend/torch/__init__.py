@@ -16,6 +16,7 @@ from keras_tpu_optim._math import adafactor as adafactor_math
 apply_if = neutral.apply_if  # Eager: a Python branch.
 prepare_platforms = neutral.prepare_platforms
 prepare_row_tables = neutral.prepare_row_tables
+state_creation_scope = neutral.state_creation_scope
 
 # Each optimizer's scratch for the in-place Adafactor kernel, released with the optimizer.
 _scratches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -11,22 +11,15 @@ would stall the host until the device queue drains, once per variable.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from keras_tpu_optim._backend import blocks
 from keras_tpu_optim._math import stochastic_rounding
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-# Elements of a block: a variable is updated a block of its leading axis at a time, so that
-# no intermediate is bigger than this (16 MiB of float32). Measured on CPU, the embedding and MLP
-# kernels of a GPT-2-sized model: on one thread 4 and 16 MiB blocks were faster than one
-# variable-sized buffer (~60 vs ~80 ms: cache-resident blocks); on two threads of a loaded
-# machine, where every parallel op waits for a busy core, smaller blocks (more ops) were much
-# slower: 4 MiB 9x, 16 MiB 2.3x the variable-sized buffer's time.
-CHUNK_ELEMENTS = 1 << 22
+CHUNK_ELEMENTS = blocks.CHUNK_ELEMENTS
 
 
 class Scratch:
@@ -54,16 +47,6 @@ class Scratch:
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values() if b is not None)
-
-
-def _spans(shape, chunk_elements: int):
-    """`(start, length)` blocks of the leading axis of about `chunk_elements` elements each; `[None]` for a scalar."""
-    if len(shape) == 0:
-        return [None]
-    rows = shape[0]
-    per_row = max(1, math.prod(shape[1:]))
-    step = max(1, chunk_elements // per_row)
-    return [(start, min(step, rows - start)) for start in range(0, rows, step)]
 
 
 def _part(x: torch.Tensor, span, full_rows: int) -> torch.Tensor:
@@ -113,7 +96,7 @@ def adafactor_step(
     rho = torch.minimum(lr, step.rsqrt()) if options.relative_step else lr
     shape = tuple(param.shape)
     rows = shape[0] if shape else 1
-    spans = _spans(shape, chunk_elements)
+    spans = blocks.spans(shape, chunk_elements)
     numel = max(1, param.numel())
     low_precision_param = param.dtype != torch.float32
 

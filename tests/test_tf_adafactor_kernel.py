@@ -1,0 +1,271 @@
+"""The TF Adafactor block kernel (`_backend/tensorflow/adafactor_kernel.py`) on its own.
+
+Checked against the independent numpy reference (`tests/reference/numpy_adafactor.py`)
+eagerly and inside `tf.function` (where Keras's TF trainer runs it), in one block
+and in blocks of a few elements; and for the ordering of its graph ops.
+"""
+
+from __future__ import annotations
+
+import keras
+import ml_dtypes
+import numpy as np
+import pytest
+
+BACKEND = keras.backend.backend()
+if BACKEND != "tensorflow":
+    _REASON = f"the TF Adafactor kernel needs KERAS_BACKEND=tensorflow; this run is {BACKEND}"
+    print(f"{__name__}: skipped: {_REASON}")
+    pytest.skip(_REASON, allow_module_level=True)
+
+import tensorflow as tf  # noqa: E402
+
+from keras_tpu_optim._backend import blocks  # noqa: E402
+from keras_tpu_optim._backend.tensorflow import adafactor_kernel  # noqa: E402
+from keras_tpu_optim._math.adafactor import AdafactorOptions  # noqa: E402
+from reference.numpy_adafactor import NumpyAdafactor  # noqa: E402  (tests/ is on pythonpath)
+from test_adafactor import make_data  # noqa: E402
+
+SHAPES = [(3,), (37, 5), (2, 16, 3), (1, 7)]
+STEPS = 5
+TOLERANCES = {
+    "float32": dict(rtol=1e-4, atol=1e-6),
+    "bfloat16": dict(rtol=1e-2, atol=1e-2),
+}
+NUMPY_DTYPES = {"float32": np.dtype("float32"), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+
+def make_options(reference: NumpyAdafactor, **extra):
+    settings = dict(
+        beta_2_decay=reference.beta_2_decay,
+        epsilon_1=reference.epsilon_1,
+        epsilon_2=reference.epsilon_2,
+        clip_threshold=reference.clip_threshold,
+        relative_step=reference.relative_step,
+        multiply_by_parameter_scale=reference.multiply_by_parameter_scale,
+        beta_1=reference.beta_1,
+        decay_offset=reference.decay_offset,
+        beta_2_cap=reference.beta_2_cap,
+    )
+    return AdafactorOptions(**{**settings, **extra})
+
+
+def make_state(shape, options):
+    """Zero slots as the optimizer builds them: factored over `options.factored_axes`, else one `v`."""
+    axes = options.factored_axes(shape)
+    if axes is None:
+        slots = (tf.Variable(tf.zeros(shape)),)
+    else:
+        a, b = axes
+        slots = (
+            tf.Variable(tf.zeros([d for i, d in enumerate(shape) if i != b])),
+            tf.Variable(tf.zeros([d for i, d in enumerate(shape) if i != a])),
+        )
+    momentum = None
+    if options.beta_1 is not None:
+        momentum = tf.Variable(tf.zeros(shape, dtype=options.momentum_dtype))
+    return slots, momentum
+
+
+def stepper(options, chunk_elements, in_graph):
+    def step(grad, variable, slots, momentum, learning_rate, step, variable_index=0):
+        adafactor_kernel.adafactor_step(
+            grad, variable, slots, momentum, learning_rate=learning_rate, step=step, options=options,
+            variable_index=variable_index, chunk_elements=chunk_elements,
+        )
+
+    return tf.function(step, autograph=False) if in_graph else step
+
+
+def as_float64(x):
+    return np.asarray(tf.cast(tf.convert_to_tensor(x), tf.float32)).astype(np.float64)
+
+
+@pytest.mark.parametrize("in_graph", [False, True], ids=["eager", "tf_function"])
+@pytest.mark.parametrize("chunk_elements", [blocks.CHUNK_ELEMENTS, 4], ids=["one_block", "blocks_of_4"])
+@pytest.mark.parametrize("schedule", [{}, dict(decay_offset=2, beta_2_cap=0.6)], ids=["keras_decay", "offset_and_cap"])
+@pytest.mark.parametrize("multiply_by_parameter_scale", [True, False], ids=["param_scale", "no_param_scale"])
+@pytest.mark.parametrize("beta_1", [None, 0.9], ids=["no_momentum", "momentum"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_matches_numpy_reference(dtype, beta_1, multiply_by_parameter_scale, schedule, chunk_elements, in_graph):
+    reference = NumpyAdafactor(
+        learning_rate=0.5, beta_1=beta_1, multiply_by_parameter_scale=multiply_by_parameter_scale, **schedule
+    )
+    options = make_options(reference)
+    step_fn = stepper(options, chunk_elements, in_graph)
+    inits, grads = make_data(SHAPES, STEPS)
+    np_dtype = NUMPY_DTYPES[dtype]
+    expected = [x.astype(np_dtype) for x in inits]
+    params = [tf.Variable(tf.cast(x, dtype)) for x in inits]
+    states = [make_state(s, options) for s in SHAPES]
+    for t, step_grads in enumerate(grads):
+        expected = reference.step(expected, [g.astype(np_dtype) for g in step_grads])
+        for param, grad, (slots, momentum) in zip(params, step_grads, states):
+            # Other scalar dtypes than the kernel's float32, to exercise the casts.
+            step_fn(tf.cast(grad, dtype), param, slots, momentum, tf.constant(0.5, tf.float64), tf.constant(t + 1, tf.int64))
+        for i, (param, want) in enumerate(zip(params, expected)):
+            assert param.dtype == tf.as_dtype(dtype)
+            np.testing.assert_allclose(
+                as_float64(param), want.astype(np.float64), **TOLERANCES[dtype],
+                err_msg=f"step {t + 1}, variable {i} of shape {SHAPES[i]}",
+            )
+    for i, ((slots, momentum), state) in enumerate(zip(states, reference.state)):
+        names = ("row", "column") if len(slots) == 2 else ("v",)
+        for slot, name in zip(slots, names):
+            np.testing.assert_allclose(as_float64(slot), state[name], rtol=1e-4, err_msg=f"{name} of variable {i}")
+        if beta_1 is not None:
+            np.testing.assert_allclose(as_float64(momentum), state["m"], **TOLERANCES[dtype], err_msg=f"m {i}")
+    for i, (final, init) in enumerate(zip(expected, inits)):
+        assert not np.allclose(final.astype(np.float64), init, rtol=1e-3, atol=0), f"variable {i} never moved"
+
+
+@pytest.mark.parametrize("in_graph", [False, True], ids=["eager", "tf_function"])
+def test_two_largest_in_blocks_matches_one_block(in_graph):
+    """Statistics over the blocks' own axis (summed across blocks) and over the others (one part per block)."""
+    # (30, 4, 20): the leading axis is the largest (row means over the blocks' axis);
+    # (6, 40, 9): neither factored axis is the leading one; (3, 8, 50): the leading axis is not factored.
+    shapes = [(30, 4, 20), (6, 40, 9), (3, 8, 50)]
+    options = AdafactorOptions(factored_dims="two_largest", beta_1=0.9, momentum_dtype="bfloat16")
+    rng = np.random.default_rng(1)
+    inits = [rng.normal(size=s).astype("float32") for s in shapes]
+    grads = [[rng.normal(size=s).astype("float32") for s in shapes] for _ in range(3)]
+    finals = []
+    for chunk in (blocks.CHUNK_ELEMENTS, 50):
+        step_fn = stepper(options, chunk, in_graph)
+        params = [tf.Variable(x) for x in inits]
+        states = [make_state(s, options) for s in shapes]
+        for t, step_grads in enumerate(grads):
+            for param, grad, (slots, momentum) in zip(params, step_grads, states):
+                step_fn(tf.constant(grad), param, slots, momentum, tf.constant(0.01), tf.constant(t + 1))
+        finals.append([as_float64(p) for p in params] + [as_float64(s) for st in states for s in st[0]])
+    for whole, blocked in zip(*finals):
+        np.testing.assert_allclose(blocked, whole, rtol=1e-5, atol=1e-7)
+    for final, init in zip(finals[0], inits):
+        assert not np.allclose(final, init)
+
+
+@pytest.mark.parametrize("in_graph", [False, True], ids=["eager", "tf_function"])
+def test_blocks_round_stochastically_as_one_block(in_graph):
+    """Stochastic rounding's random bits belong to the element, whatever the blocks."""
+    options = AdafactorOptions(stochastic_rounding=True, seed=3, beta_1=0.9)
+    rng = np.random.default_rng(4)
+    shapes = [(40, 30), (9, 20, 6), (300,)]
+    inits = [rng.normal(size=s).astype("float32") for s in shapes]
+    grads = [rng.normal(size=s).astype("float32") for s in shapes]
+    results = []
+    for chunk in (blocks.CHUNK_ELEMENTS, 50, 7):
+        step_fn = stepper(options, chunk, in_graph)
+        params = [tf.Variable(tf.cast(x, tf.bfloat16)) for x in inits]
+        states = [make_state(s, options) for s in shapes]
+        for t in range(3):
+            for index, (param, grad, (slots, momentum)) in enumerate(zip(params, grads, states)):
+                step_fn(tf.cast(grad, tf.bfloat16), param, slots, momentum, tf.constant(0.01), tf.constant(t + 1), index)
+        results.append([as_float64(p) for p in params])
+    for blocked in results[1:]:
+        for whole, part, init in zip(results[0], blocked, inits):
+            assert not np.array_equal(whole, init.astype(np.float64))
+            # The same bits, but where float32 sums in another order moved a value across a rounding threshold.
+            assert np.mean(whole == part) > 0.99
+
+
+def depends_on(op, target) -> bool:
+    """Whether graph op `op` runs after `target` (through data or control inputs)."""
+    seen, stack = set(), [op]
+    while stack:
+        node = stack.pop()
+        if node is target:
+            return True
+        if node.name in seen:
+            continue
+        seen.add(node.name)
+        stack.extend(t.op for t in node.inputs)
+        stack.extend(node.control_inputs)
+    return False
+
+
+def test_reductions_are_block_sized_and_ordered():
+    """In a graph, no reduction reads more than a block, and each block's square waits for the previous block's."""
+    options = AdafactorOptions()
+    shape = (64, 32)
+    chunk = 256  # 8 rows: 8 blocks
+    variable = tf.Variable(tf.ones(shape))
+    slots, _ = make_state(shape, options)
+
+    @tf.function(autograph=False)
+    def step(grad):
+        adafactor_kernel.adafactor_step(
+            grad, variable, slots, None, learning_rate=0.01, step=tf.constant(1), options=options, chunk_elements=chunk
+        )
+
+    graph = step.get_concrete_function(tf.TensorSpec(shape)).graph
+    squares = [op for op in graph.get_operations() if op.type == "Square"]
+    # The parameter's RMS, the statistics and RMS(update): one square per block per pass.
+    assert len(squares) == 3 * 8
+    for op in squares:
+        assert op.outputs[0].shape.num_elements() <= chunk
+    for passes in range(3):
+        in_pass = squares[8 * passes : 8 * (passes + 1)]
+        for previous, op in zip(in_pass, in_pass[1:]):
+            assert depends_on(op, previous), (op.name, previous.name)
+            assert not depends_on(previous, op)
+
+
+def test_variables_steps_are_chained_in_a_graph():
+    """`after_previous_step` orders each variable's step after the previous one's in the same graph."""
+    variables = [tf.Variable(tf.zeros([4])) for _ in range(3)]
+
+    @tf.function(autograph=False)
+    def apply(chained):
+        for v in variables:
+            if chained:
+                with adafactor_kernel.after_previous_step() as done:
+                    done.append(v.assign_add(tf.ones([4]), read_value=False))
+            else:
+                v.assign_add(tf.ones([4]), read_value=False)
+
+    for chained in (True, False):
+        graph = apply.get_concrete_function(chained).graph
+        assigns = [op for op in graph.get_operations() if op.type == "AssignAddVariableOp"]
+        assert len(assigns) == 3
+        for previous, op in zip(assigns, assigns[1:]):
+            assert depends_on(op, previous) == chained, (op.name, chained)
+    apply(True)
+    for v in variables:
+        np.testing.assert_array_equal(v.numpy(), np.ones(4))
+
+
+@pytest.mark.parametrize("optimizer_name", ["Adafactor", "EmbeddingAdam"])
+def test_state_is_created_eagerly_when_built_in_a_trace(optimizer_name, monkeypatch):
+    """Built inside a `tf.function` (as Keras's TF trainer builds it), the state is initialised eagerly:
+    no initializer function is traced and kept per state variable; the numbers are those of an eager run."""
+    import contextlib
+
+    from tensorflow.python.eager import context
+
+    import keras_tpu_optim
+    from keras_tpu_optim import _backend
+
+    def run(in_graph):
+        variables = [keras.Variable(np.full((6, 4), 0.5, "float32")), keras.Variable(np.ones(4, "float32"))]
+        optimizer = getattr(keras_tpu_optim, optimizer_name)(learning_rate=0.1)
+        grads = [tf.constant(np.arange(24, dtype="float32").reshape(6, 4) / 24), tf.ones([4])]
+        apply = lambda: optimizer.apply(grads, variables)  # noqa: E731
+        if in_graph:
+            apply = tf.function(apply, autograph=False)
+        before = len(context.context().list_function_names())
+        apply()
+        apply()
+        return optimizer, [v.numpy() for v in variables], len(context.context().list_function_names()) - before
+
+    optimizer, traced, new_functions = run(True)
+    n_state = len(optimizer.variables) - 2  # less iterations and learning rate
+    assert n_state >= 2
+    with monkeypatch.context() as patch:
+        patch.setattr(_backend.get(), "state_creation_scope", contextlib.nullcontext)
+        _, traced_in_scope, new_functions_in_scope = run(True)
+    assert new_functions_in_scope - new_functions >= n_state, (new_functions, new_functions_in_scope)
+    _, eager, _ = run(False)
+    for a, b, c, initial in zip(traced, traced_in_scope, eager, (0.5, 1.0)):
+        np.testing.assert_allclose(a, c, rtol=1e-6)
+        np.testing.assert_allclose(b, c, rtol=1e-6)
+        assert not np.allclose(a, initial)
