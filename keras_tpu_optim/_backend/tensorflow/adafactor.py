@@ -10,6 +10,7 @@ other platforms use the neutral reductions.
 
 from __future__ import annotations
 
+import keras
 import tensorflow as tf
 from keras import ops
 
@@ -83,9 +84,13 @@ def adafactor_step(optimizer, gradient, variable, learning_rate):
     Under XLA (`jit_compile=True`), under a `tf.distribute` strategy (its
     replica and mirrored variables stay on TF's own path) or in a stateless
     scope: the neutral step, with the platform's reductions. Otherwise (Keras's
-    TF trainer without XLA, eager TF): on CPU the block kernel
-    (`adafactor_kernel`, no XLA: measured for memory); on other platforms the
-    step compiled on its own with XLA.
+    TF trainer without XLA, eager TF): a float32 variable on CPU takes the
+    block kernel (`adafactor_kernel`, no XLA: measured for memory); a variable
+    on another platform, or of another dtype, its step compiled on its own with
+    XLA. (bfloat16 weights of a GPT-2-sized model on CPU, the kernel against
+    XLA: rounded to nearest 1938 vs 1619 ms a step, `fit` peak 603 vs 667 MB;
+    with stochastic rounding, whose integer hash XLA fuses, 2863 vs 1646 ms
+    and 982 vs 751 MB.)
     """
     gradient = densify(gradient)
     platform = optimizer.platform_of(variable)
@@ -96,7 +101,7 @@ def adafactor_step(optimizer, gradient, variable, learning_rate):
     state = optimizer.state_of(variable)
     step = optimizer.iterations + 1
     variable_index = _private.variable_index(optimizer, variable)
-    if platform == "cpu":
+    if platform == "cpu" and keras.backend.standardize_dtype(variable.dtype) == "float32":
         update = compiled_function(
             optimizer, "adafactor_blocks", lambda: _blocked_update(optimizer.options), xla=False
         )
