@@ -23,7 +23,8 @@ import tensorflow as tf  # noqa: E402
 from keras_tpu_optim._backend import blocks  # noqa: E402
 from keras_tpu_optim._backend.tensorflow import adafactor_kernel  # noqa: E402
 from keras_tpu_optim._math.adafactor import AdafactorOptions  # noqa: E402
-from reference.numpy_adafactor import NumpyAdafactor  # noqa: E402  (tests/ is on pythonpath)
+from _adafactor_options import make_options  # noqa: E402  (tests/ is on pythonpath)
+from reference.numpy_adafactor import NumpyAdafactor  # noqa: E402
 from test_adafactor import make_data  # noqa: E402
 
 SHAPES = [(3,), (37, 5), (2, 16, 3), (1, 7)]
@@ -33,21 +34,6 @@ TOLERANCES = {
     "bfloat16": dict(rtol=1e-2, atol=1e-2),
 }
 NUMPY_DTYPES = {"float32": np.dtype("float32"), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
-
-
-def make_options(reference: NumpyAdafactor, **extra):
-    settings = dict(
-        beta_2_decay=reference.beta_2_decay,
-        epsilon_1=reference.epsilon_1,
-        epsilon_2=reference.epsilon_2,
-        clip_threshold=reference.clip_threshold,
-        relative_step=reference.relative_step,
-        multiply_by_parameter_scale=reference.multiply_by_parameter_scale,
-        beta_1=reference.beta_1,
-        decay_offset=reference.decay_offset,
-        beta_2_cap=reference.beta_2_cap,
-    )
-    return AdafactorOptions(**{**settings, **extra})
 
 
 def make_state(shape, options):
