@@ -175,10 +175,11 @@ def adafactor_step(
                 return (tf.reduce_sum(_part(row_factor_sq, span, rows, b != 0) * weighted),)
 
         else:
+            row_factor_full, column_factor_full = tf.expand_dims(row_factor, b), tf.expand_dims(column_factor, a)
 
             def update_square_sum(g, span):
-                update = g * _part(tf.expand_dims(row_factor, b), span, rows, b != 0)
-                update = update * _part(tf.expand_dims(column_factor, a), span, rows, a != 0)
+                update = g * _part(row_factor_full, span, rows, b != 0)
+                update = update * _part(column_factor_full, span, rows, a != 0)
                 return (_square_sum(update),)
 
         square_sums = _block_sums(grad, spans, rows, update_square_sum)
