@@ -4,6 +4,7 @@ optional skip of steps with non-finite gradients."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import NamedTuple, Optional
 
@@ -118,18 +119,12 @@ class OptimizerBase(keras.optimizers.Optimizer):
                 "pass one gradient per trainable variable."
             )
         variables = _private.trainable_variables(self) if trainable_variables is None else list(trainable_variables)
-        if variables is not None and len(variables) == len(grads):
-            for gradient, variable in zip(grads, variables):
-                if gradient is None:
-                    continue
-                shape = self._backend.gradient_shape(gradient, variable)
-                if len(shape) != len(variable.shape) or any(
-                    g is not None and g != v for g, v in zip(shape, variable.shape)
-                ):
-                    raise ValueError(
-                        f"{type(self).__name__}: the gradient for variable '{_slots.variable_path(variable)}' "
-                        f"has shape {shape}, but the variable has shape {tuple(variable.shape)}."
-                    )
+        if len(variables) == len(grads):
+            # Every kernel reads its shapes from the gradient: give it the variable's (checked).
+            grads = [
+                None if g is None else self._backend.checked_gradient(g, v, functools.partial(self._mismatch, v))
+                for g, v in zip(grads, variables)
+            ]
         self._check_learning_rate_is_scalar()
         if self.loss_scale_factor is not None:
             # Keras unscales with `g / scale`, which tf.IndexedSlices does not
@@ -141,6 +136,12 @@ class OptimizerBase(keras.optimizers.Optimizer):
             finally:
                 self.loss_scale_factor = loss_scale_factor
         return self._apply_unscaled(grads, trainable_variables, variables)
+
+    def _mismatch(self, variable, shape) -> str:
+        return (
+            f"{type(self).__name__}: the gradient for variable '{_slots.variable_path(variable)}' "
+            f"has shape {shape}, but the variable has shape {tuple(variable.shape)}."
+        )
 
     def _apply_unscaled(self, grads, trainable_variables, variables):
         if not self.skip_nonfinite_updates:

@@ -3,6 +3,15 @@
 import keras
 import pytest
 
+if keras.backend.backend() == "tensorflow":
+    import tensorflow as tf
+
+    # Two logical CPU devices for the tf.distribute.MirroredStrategy tests, set before TF
+    # initialises its devices (ops run on the first unless placed).
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
+    )
+
 
 def pytest_report_header(config):
     return f"keras {keras.__version__}, backend: {keras.backend.backend()}"

@@ -6,9 +6,12 @@ functions; the optimizers call them and never ask which backend runs:
 - `platform_of(variable) -> str`: where a variable lives (`"cpu"`, `"gpu"`,
   `"tpu"`, or another device type).
 - `gradient_values(gradient)`: the stored values of a gradient (a sparse
-  gradient's values, a dense one itself), `gradient_shape(gradient,
-  variable)`: its shape, `unscale(gradient, scale)`: `gradient / scale`,
-  sparse gradients included, and `densify(gradient)`.
+  gradient's values, a dense one itself), `unscale(gradient, scale)`:
+  `gradient / scale`, sparse gradients included, and `densify(gradient)`.
+- `checked_gradient(gradient, variable, mismatch)`: the gradient, checked to
+  have the variable's shape (a `ValueError(mismatch(shape))` if not; in a TF
+  graph, at run time where the static shape is partly unknown) and carrying
+  that static shape, so that every kernel may read its shapes from it.
 - `apply_if(condition, apply, state)`: run `apply()` only where the scalar
   `condition` holds, with `state` the variables `apply` may change.
 - `adafactor_step(optimizer, gradient, variable, learning_rate)` and
@@ -52,7 +55,7 @@ SUPPORTED = ("tensorflow", "jax", "torch")
 INTERFACE = (
     "platform_of",
     "gradient_values",
-    "gradient_shape",
+    "checked_gradient",
     "unscale",
     "densify",
     "apply_if",

@@ -27,6 +27,17 @@ def apply_if(condition, apply, state):
     ops.cond(condition, apply, lambda: None)
 
 
+def checked_gradient(gradient, variable, mismatch):
+    """`gradient`, after checking that its shape is the variable's (raises `ValueError(mismatch(shape))`).
+
+    Where shapes are always concrete (JAX, torch) this is the whole check.
+    """
+    shape = tuple(gradient.shape)
+    if shape != tuple(variable.shape):
+        raise ValueError(mismatch(shape))
+    return gradient
+
+
 def prepare_platforms(platforms):
     """Nothing: no process-level setting was measured to help here."""
 

@@ -29,10 +29,6 @@ def gradient_values(gradient):
     return gradient.data if isinstance(gradient, jax_sparse.BCOO) else gradient
 
 
-def gradient_shape(gradient, variable) -> tuple:
-    return tuple(gradient.shape)
-
-
 def unscale(gradient, scale):
     if isinstance(gradient, jax_sparse.BCOO):
         return jax_sparse.BCOO((gradient.data / scale, gradient.indices), shape=gradient.shape)
@@ -56,6 +52,7 @@ def apply_if(condition, apply, state):
 
 
 state_creation_scope = neutral.state_creation_scope
+checked_gradient = neutral.checked_gradient
 
 
 def prepare_platforms(platforms):

@@ -10,7 +10,7 @@ import tensorflow as tf
 from keras_tpu_optim import _private
 from keras_tpu_optim._backend import neutral
 from keras_tpu_optim._backend.tensorflow import accumulation, rows
-from keras_tpu_optim._backend.tensorflow.gradients import densify, gradient_shape, gradient_values, unscale
+from keras_tpu_optim._backend.tensorflow.gradients import checked_gradient, densify, gradient_values, unscale
 from keras_tpu_optim._backend.tensorflow.adafactor import adafactor_reductions, adafactor_step
 
 apply_if = neutral.apply_if  # tf.cond runs only the branch taken: sparse updates stay sparse.

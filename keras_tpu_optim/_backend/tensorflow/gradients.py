@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from keras_tpu_optim import _private
+
 
 def sparse_entries(gradient):
     """`(indices, values)` of a `tf.IndexedSlices` as tensors (TF accepts Python sequences too)."""
@@ -16,11 +18,54 @@ def gradient_values(gradient):
     return gradient
 
 
-def gradient_shape(gradient, variable) -> tuple:
-    if isinstance(gradient, tf.IndexedSlices):
-        # Rows along axis 0, the rest must match.
-        return (variable.shape[0],) + tuple(sparse_entries(gradient)[1].shape[1:])
-    return tuple(gradient.shape)
+def checked_gradient(gradient, variable, mismatch):
+    """`gradient` with the variable's static shape (an IndexedSlices: its values' rows), checked.
+
+    Inside a traced function a gradient's static shape may be partly or wholly
+    unknown (TF's gradient of a reshaped matmul loses the leading dimension),
+    where every kernel reads its shapes from the variable. A static difference
+    raises `ValueError(mismatch(shape))`; an unknown dimension is checked when
+    the function runs (an `InvalidArgumentError` carrying the same message and
+    the actual shape; under XLA, when it compiles), and the result carries the
+    variable's shape.
+    """
+    sparse = isinstance(gradient, tf.IndexedSlices)
+    indices, values = sparse_entries(gradient) if sparse else (None, tf.convert_to_tensor(gradient))
+    start = 1 if sparse else 0  # An IndexedSlices' values have one row per index; the rest must match.
+    want = tf.TensorShape(variable.shape[start:])
+    have = values.shape[start:] if values.shape.rank is not None else None
+    if have is not None and have.rank != want.rank or have is not None and not have.is_compatible_with(want):
+        raise ValueError(mismatch(_described(variable, have, sparse)))
+    if have is not None and have.is_fully_defined():
+        return gradient
+    actual = tf.shape(values)[start:]
+    if have is None:  # Unknown rank: compare the rank first.
+        same = tf.cond(
+            tf.equal(tf.size(actual), want.rank),
+            lambda: tf.reduce_all(tf.equal(actual, want.as_list())),
+            lambda: tf.constant(False),
+        )
+    else:
+        same = tf.reduce_all(tf.equal(actual, want.as_list()))
+    message = mismatch(_described(variable, have, sparse))
+    full = tf.TensorShape([None] * start).concatenate(want)
+    if _private.tf_in_xla_context():
+        # XLA drops the assertion and checks the shape when it compiles.
+        values = tf.ensure_shape(values, full)
+    else:
+        # Not `ensure_shape`: TF's shape inference would raise its own message before the assertion runs.
+        with tf.control_dependencies([tf.debugging.Assert(same, [message, "Its shape at run time:", tf.shape(values)])]):
+            values = tf.identity(values)
+        values.set_shape(full)
+    return tf.IndexedSlices(values, indices, gradient.dense_shape) if sparse else values
+
+
+def _described(variable, have, sparse):
+    """The gradient's static shape as the error shows it (None: unknown), an IndexedSlices' as its dense shape."""
+    if have is None:
+        return "<unknown>"
+    shape = tuple(have.as_list())
+    return (variable.shape[0],) + shape if sparse else shape
 
 
 def unscale(gradient, scale):

@@ -17,6 +17,7 @@ apply_if = neutral.apply_if  # Eager: a Python branch.
 prepare_platforms = neutral.prepare_platforms
 prepare_row_tables = neutral.prepare_row_tables
 state_creation_scope = neutral.state_creation_scope
+checked_gradient = neutral.checked_gradient
 
 # Each optimizer's scratch for the in-place Adafactor kernel, released with the optimizer.
 _scratches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -31,10 +32,6 @@ def gradient_values(gradient):
     if gradient.is_sparse:
         return _private.torch_sparse_entries(gradient)[1]  # Duplicates do not matter here.
     return gradient
-
-
-def gradient_shape(gradient, variable) -> tuple:
-    return tuple(gradient.shape)
 
 
 def unscale(gradient, scale):
