@@ -156,6 +156,15 @@ class OptimizerBase(keras.optimizers.Optimizer):
         self._backend.apply_if(finite, lambda: super(OptimizerBase, self).apply(grads, trainable_variables), state)
         return None
 
+    @property
+    def accumulates_rows(self) -> bool:
+        """Whether `gradient_accumulation_steps` accumulates the rows of sparse gradients in place (subclasses)."""
+        return False
+
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        # Keras's hook (_private.ACCUMULATION_HOOK): the accumulate-or-update step and the EMA.
+        self._backend.apply_gradients(self, grads, trainable_variables, super()._backend_apply_gradients)
+
     def _all_finite(self, grads):
         """A scalar boolean tensor: every entry of every gradient is finite."""
         checks = [ops.all(ops.isfinite(self._backend.gradient_values(g))) for g in grads if g is not None]

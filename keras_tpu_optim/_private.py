@@ -94,9 +94,10 @@ def raw_iterations(optimizer):
 EMA_HOOKS = ("_update_model_variables_moving_average", "_overwrite_model_variables_with_average_value")
 
 
-# Keras's step after unscaling, overridden by EmbeddingAdam to accumulate the rows of sparse
-# gradients sparsely: `apply` calls it with the filtered gradients and variables; it runs the
-# accumulate-or-update of `gradient_accumulation_steps`, then the EMA.
+# Keras's step after unscaling, overridden by both optimizers (the backend's `apply_gradients`:
+# EmbeddingAdam's sparse rows accumulated in place, eager JAX without a compilation a step):
+# `apply` calls it with the filtered gradients and variables; it runs the accumulate-or-update
+# of `gradient_accumulation_steps`, then the EMA.
 ACCUMULATION_HOOK = "_backend_apply_gradients"
 
 

@@ -320,12 +320,6 @@ class EmbeddingAdam(OptimizerBase):
         state = self.state_of(variable)
         return None if state is None else state.window
 
-    def _backend_apply_gradients(self, grads, trainable_variables):
-        # Keras's hook (_private.ACCUMULATION_HOOK): the accumulate-or-update step and the EMA.
-        if not self.accumulates_rows:
-            return super()._backend_apply_gradients(grads, trainable_variables)
-        self._backend.accumulated_apply(self, grads, trainable_variables, super()._backend_apply_gradients)
-
     # ---------------------------------------------------------------- lazy EMA
 
     @property
@@ -381,7 +375,9 @@ class EmbeddingAdam(OptimizerBase):
             if condition is None:
                 new_average, new_steps = caught_up()
             else:
-                new_average, new_steps = ops.cond(condition, caught_up, lambda a=average, s=steps: (a.value, s.value))
+                new_average, new_steps = self._backend.cond(
+                    condition, caught_up, lambda a=average, s=steps: (a.value, s.value)
+                )
             average.assign(new_average)
             steps.assign(new_steps)
 

@@ -17,10 +17,14 @@ functions; the optimizers call them and never ask which backend runs:
 - `adafactor_step(optimizer, gradient, variable, learning_rate)` and
   `embedding_adam_step(optimizer, gradient, variable, learning_rate)`: one
   optimizer step for one variable, in place.
-- `accumulated_apply(optimizer, grads, variables, keras_apply)`: Keras's
-  `gradient_accumulation_steps` step for EmbeddingAdam's tables, the rows of
-  sparse gradients accumulated sparsely where the backend can (`keras_apply`
-  is Keras's own step).
+- `cond(condition, true_fn, false_fn)`: `ops.cond`, which on JAX calls only
+  the branch taken where `condition` is concrete (eager code): a traced
+  branch would be compiled anew at every call.
+- `apply_gradients(optimizer, grads, variables, keras_apply)`: Keras's step
+  after unscaling (the accumulate-or-update of `gradient_accumulation_steps`,
+  then the EMA); `keras_apply` is Keras's own. The rows of sparse gradients
+  are accumulated sparsely where the backend can
+  (`optimizer.accumulates_rows`); eager JAX runs only the branch taken.
 - `adafactor_reductions(platform)`: the reductions Adafactor's math uses on
   that platform (see `_math.adafactor.Reductions`).
 - `prepare_platforms(platforms)`: called at every `build` with the platforms
@@ -61,7 +65,8 @@ INTERFACE = (
     "apply_if",
     "adafactor_step",
     "embedding_adam_step",
-    "accumulated_apply",
+    "apply_gradients",
+    "cond",
     "adafactor_reductions",
     "prepare_platforms",
     "prepare_row_tables",

@@ -18,6 +18,11 @@ from keras_tpu_optim._math import embedding_adam as adam_math
 from keras_tpu_optim._math import stochastic_rounding
 
 
+def cond(condition, true_fn, false_fn):
+    """`ops.cond`: TF and torch run only the branch taken."""
+    return ops.cond(condition, true_fn, false_fn)
+
+
 def apply_if(condition, apply, state):
     """Run `apply()` only where the scalar boolean `condition` holds.
 
@@ -106,7 +111,14 @@ def assign_update(
     if keras.backend.standardize_dtype(variable.dtype) == "float32":
         assign_sub(variable, delta)
     else:
-        assign(variable, round_to(ops.cast(variable, "float32") - delta, variable.dtype))
+        assign(variable, subtracted(variable, delta, round_to))
+
+
+def subtracted(value, delta, round_to=ops.cast):
+    """`value - delta` in `value`'s dtype: in float32, rounded once by `round_to(x, dtype)` for any other dtype."""
+    if keras.backend.standardize_dtype(value.dtype) == "float32":
+        return value - delta
+    return round_to(ops.cast(value, "float32") - delta, value.dtype)
 
 
 def embedding_adam_step(optimizer, gradient, variable, learning_rate, *, lazy_row_update, densify):

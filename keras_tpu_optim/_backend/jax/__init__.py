@@ -8,8 +8,10 @@ import jax
 from keras import ops
 from jax.experimental import sparse as jax_sparse
 
+from keras_tpu_optim import _private
 from keras_tpu_optim._backend import neutral
 from keras_tpu_optim._backend.jax import compile_heap, huge_pages, rows
+from keras_tpu_optim._math import adafactor as adafactor_math
 from keras_tpu_optim._math import embedding_adam as adam_math
 from keras_tpu_optim._backend.jax.adafactor import adafactor_reductions
 
@@ -40,9 +42,28 @@ def densify(gradient):
     return gradient.todense() if isinstance(gradient, jax_sparse.BCOO) else gradient
 
 
+def concrete(x) -> bool:
+    """Whether `x` has a value now (eager code), rather than being traced (`jax.jit`, a traced branch)."""
+    return not isinstance(getattr(x, "value", x), jax.core.Tracer)
+
+
+def cond(condition, true_fn, false_fn):
+    """`ops.cond`; where `condition` is concrete, only the branch taken is called.
+
+    Eagerly, `jax.lax.cond` traces both branches and compiles them, at every
+    call: the branches are new functions each time.
+    """
+    if concrete(condition):
+        return true_fn() if bool(condition) else false_fn()
+    return ops.cond(condition, true_fn, false_fn)
+
+
 def apply_if(condition, apply, state):
-    # JAX branches must be pure: apply, then keep the old or the new value of
-    # every variable (stateless under jit, eager outside).
+    if concrete(condition):
+        if bool(condition):
+            apply()
+        return
+    # Traced, JAX branches must be pure: apply, then keep the old or the new value of every variable.
     before = [v.value for v in state]
     apply()
     after = [v.value for v in state]
@@ -68,36 +89,142 @@ def prepare_row_tables(tables, slots):
 
 
 def adafactor_step(optimizer, gradient, variable, learning_rate):
-    neutral.adafactor_step(
-        optimizer, densify(gradient), variable, learning_rate, adafactor_reductions(optimizer.platform_of(variable))
+    """The neutral step with the platform's reductions, as one `jax.jit` per options (inlined where traced)."""
+    state = optimizer.state_of(variable)
+    targets = (variable, *state.slots) + (() if state.momentum is None else (state.momentum,))
+    update = _adafactor_update(optimizer.options, adafactor_reductions(optimizer.platform_of(variable)))
+    new_values = update(
+        densify(gradient),
+        tuple(t.value for t in targets),
+        ops.convert_to_tensor(learning_rate),
+        ops.convert_to_tensor(optimizer.iterations + 1),
+        _private.variable_index(optimizer, variable),
     )
+    for target, value in zip(targets, new_values):
+        optimizer.assign(target, value)
+
+
+@functools.cache
+def _adafactor_update(options, reductions):
+    """`(gradient, (variable, *slots[, momentum]), learning_rate, step, variable_index) -> their new values`."""
+
+    def update(gradient, values, learning_rate, step, variable_index):
+        variable, slots = values[0], values[1 : len(values) - (options.beta_1 is not None)]
+        momentum = values[-1] if options.beta_1 is not None else None
+        delta, new_slots, new_momentum = adafactor_math.adafactor_update(
+            ops.cast(gradient, "float32"),
+            ops.cast(variable, "float32"),
+            slots,
+            momentum,
+            learning_rate=ops.cast(learning_rate, "float32"),
+            step=ops.cast(step, "float32"),
+            options=options,
+            reductions=reductions,
+            factored_axes=options.factored_axes(variable.shape),
+        )
+        if momentum is not None:
+            new_slots = (*new_slots, ops.cast(new_momentum, momentum.dtype))
+        rounding = neutral.variable_rounding(options, step, variable_index, variable.shape)
+        return (neutral.subtracted(variable, delta, rounding), *new_slots)
+
+    return jax.jit(update)
 
 
 def embedding_adam_step(optimizer, gradient, variable, learning_rate):
+    if not optimizer.lazy_adam:
+        neutral.embedding_adam_step(
+            optimizer, gradient, variable, learning_rate, lazy_row_update=None, densify=densify
+        )
+        return
+    num_rows = variable.shape[0]
     if isinstance(gradient, jax_sparse.BCOO):
         # The rows a BCOO names are the touched rows, as a tf.IndexedSlices' indices.
-        lazy_row_update = functools.partial(
-            rows.sparse_row_update, accumulate_duplicates=optimizer.use_gradient_accumulation
-        )
+        path = ("sparse", optimizer.use_gradient_accumulation)
+        entries = rows.row_entries(gradient)
+        if concrete(entries[0]):
+            entries = rows.padded_entries(*entries, num_rows)
     else:
-        lazy_row_update = functools.partial(rows.lazy_row_update, max_touched_rows=optimizer.max_touched_rows)
-    neutral.embedding_adam_step(
-        optimizer, gradient, variable, learning_rate, lazy_row_update=lazy_row_update, densify=densify
+        path = ("dense", min(num_rows, optimizer.max_touched_rows or rows.default_capacity(num_rows)))
+        entries = (gradient,)
+    targets = (variable, *optimizer.row_slots(variable))
+    update = _row_update(path, optimizer.row_update_options(variable))
+    ema_step = optimizer.ema_step()
+    new_values = update(
+        entries,
+        tuple(t.value for t in targets),
+        ops.convert_to_tensor(optimizer.row_learning_rate(learning_rate)),
+        None if ema_step is None else ops.convert_to_tensor(ema_step),
     )
+    for target, value in zip(targets, new_values):
+        target.assign(value)
 
 
-def accumulated_apply(optimizer, grads, variables, keras_apply):
-    """Keras's own accumulate-or-update step (`keras_apply`), BCOO gradients densified, then the window marks.
+@functools.cache
+def _row_update(path, options):
+    """The lazy row update of a path (`("dense", capacity)` or `("sparse", accumulate_duplicates)`), as one `jax.jit`.
 
-    Keras's JAX step is stateless (both branches computed, one kept), so the
-    accumulator stays dense; a dense gradient is table-sized anyway. The
-    `window` slot is kept as on the other backends, so a state saved here
-    resumes there.
+    Traced, it is inlined into the caller's computation; eagerly it compiles
+    once per shape (its loop and gathers traced op by op would compile at
+    every call), and a BCOO's entries are padded to a power-of-two count.
+    """
+    kind, static = path
+
+    def update(entries, tables, learning_rate, ema_step):
+        update_rows = functools.partial(
+            neutral.update_rows_in_float32, learning_rate=learning_rate, options=options, ema_step=ema_step
+        )
+        if kind == "dense":
+            return rows.lazy_row_update(update_rows, *entries, tables, capacity=static)
+        return rows.sparse_row_update(update_rows, *entries, tables, accumulate_duplicates=static)
+
+    return jax.jit(update)
+
+
+def apply_gradients(optimizer, grads, variables, keras_apply):
+    """Keras's step (`keras_apply`), or, eagerly under `gradient_accumulation_steps`, its numbers with only the branch taken.
+
+    Keras's JAX step is stateless: it computes both the accumulation and the
+    update, and keeps one (in `jax.lax.cond`s, compiled anew at every eager
+    call). Traced (`jax.jit`, as `fit` runs it) that is what runs. With
+    `accumulates_rows` (EmbeddingAdam's lazy tables) the accumulator stays
+    dense here, BCOO gradients densified; the `window` slot is kept as on the
+    other backends, so a state saved here resumes there.
     """
     number = ops.cast(optimizer.iterations + 1, "int32")  # before `apply` counts this micro-step
-    grads = [densify(g) for g in grads]
-    keras_apply(grads, variables)
-    for gradient, variable in zip(grads, variables):
-        window = optimizer.accumulation_window(variable)
-        if window is not None:
-            window.assign(adam_math.mark_touched(gradient, window.value, number))
+    if optimizer.accumulates_rows:
+        grads = [densify(g) for g in grads]
+    if optimizer.gradient_accumulation_steps and concrete(optimizer.iterations):
+        _eager_accumulated_apply(optimizer, grads, variables)
+    else:
+        keras_apply(grads, variables)
+    if optimizer.accumulates_rows:
+        for gradient, variable in zip(grads, variables):
+            window = optimizer.accumulation_window(variable)
+            if window is not None:
+                window.assign(adam_math.mark_touched(gradient, window.value, number))
+
+
+def _eager_accumulated_apply(optimizer, grads, variables):
+    """Keras's `gradient_accumulation_steps` step and EMA (`JaxOptimizer._backend_apply_gradients`), eagerly.
+
+    On micro-steps `acc += g`; on every N-th one update with the mean
+    `(g + acc) / N`, clipped and decayed as Keras does, then `acc = 0`; then
+    the EMA, installed in the weights every `ema_overwrite_frequency` updates.
+    """
+    steps = optimizer.gradient_accumulation_steps
+    accumulators = [_private.gradient_accumulators(optimizer)[_private.variable_index(optimizer, v)] for v in variables]
+    if (int(_private.raw_iterations(optimizer)) + 1) % steps == 0:
+        means = [(g + acc.value) / steps for g, acc in zip(grads, accumulators)]
+        means = _private.clip_gradients(optimizer, means)
+        _private.apply_weight_decay(optimizer, variables)
+        _private.backend_update_step(optimizer, means, variables, optimizer.learning_rate)
+        for acc in accumulators:
+            acc.assign(jax.numpy.zeros(acc.shape, acc.dtype))
+    else:
+        for gradient, acc in zip(grads, accumulators):
+            acc.assign(gradient + acc.value)
+    if optimizer.use_ema:
+        _private.update_moving_averages(optimizer)
+        frequency = optimizer.ema_overwrite_frequency
+        if frequency and (int(optimizer.iterations) + 1) % frequency == 0:
+            _private.overwrite_with_moving_averages(optimizer)

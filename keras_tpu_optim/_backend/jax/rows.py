@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import sparse as jax_sparse
 
+from keras_tpu_optim._backend import blocks
+
 _BITS = 32
 
 
@@ -77,15 +79,14 @@ def default_capacity(num_rows: int) -> int:
     return min(num_rows, 4096)
 
 
-def lazy_row_update(update_rows, gradient, variable, slots, *, max_touched_rows):
-    """Update only the rows of a dense `gradient` with a non-zero entry; untouched rows keep their bits.
+def lazy_row_update(update_rows, gradient, tables, *, capacity):
+    """The tables after updating only the rows of a dense `gradient` with a non-zero entry; untouched rows keep their bits.
 
-    `update_rows(grad_rows, weight_rows, *slot_rows)` returns the new
-    `(weight_rows, *slot_rows)`; `max_touched_rows` (None: the default) is the
-    static capacity of a round.
+    `tables` are the table's and its slots' values; `update_rows(grad_rows,
+    weight_rows, *slot_rows)` returns the new `(weight_rows, *slot_rows)`;
+    `capacity` (at most the table's rows) is the static size of a round.
     """
-    num_rows = variable.shape[0]
-    capacity = min(num_rows, max_touched_rows or default_capacity(num_rows))
+    num_rows = tables[0].shape[0]
     touched = pack_bits(touched_mask(gradient))
     count = jnp.sum(jax.lax.population_count(touched), dtype=jnp.int32)
 
@@ -102,11 +103,8 @@ def lazy_row_update(update_rows, gradient, variable, slots, *, max_touched_rows)
     def rows_left(state):
         return state[0] < count
 
-    tables = (variable.value, *(s.value for s in slots))
-    _, _, new_values = jax.lax.while_loop(rows_left, update_round, (jnp.int32(0), touched, tables))
-    for target, value in zip((variable, *slots), new_values):
-        target.assign(value)
-
+    _, _, new_tables = jax.lax.while_loop(rows_left, update_round, (jnp.int32(0), touched, tuple(tables)))
+    return new_tables
 
 
 def row_entries(gradient):
@@ -138,17 +136,32 @@ def grouped_rows(ids, rows, accumulate_duplicates):
     return ids, rows[last[group]]
 
 
-def sparse_row_update(update_rows, gradient, variable, slots, *, accumulate_duplicates):
-    """Update only the rows a BCOO gradient names: O(stored entries x row size), under `jax.jit` too.
+def padded_entries(ids, rows, num_rows):
+    """`(ids, rows)` padded to a power-of-two length (at least `blocks.MIN_BUCKET`) with id `num_rows` (past the table:
+    dropped) and zero rows.
 
-    `update_rows(grad_rows, weight_rows, *slot_rows)` returns the new
-    `(weight_rows, *slot_rows)`. Ids outside the table (BCOO's padding) are
-    dropped. Every entry keeps its place and carries its id's row, so
-    duplicates write identical values.
+    For eager steps: a computation compiled for a bucket of lengths serves
+    every gradient of that bucket, instead of one compilation per length.
     """
-    ids, rows = row_entries(gradient)
-    targets = (variable, *slots)
-    tables = [t.value for t in targets]
+    count = ids.shape[0]
+    size = blocks.bucket(count)
+    if size == count:
+        return ids, rows
+    ids = jnp.concatenate([ids, jnp.full((size - count,), num_rows, ids.dtype)])
+    rows = jnp.concatenate([rows, jnp.zeros((size - count,) + rows.shape[1:], rows.dtype)])
+    return ids, rows
+
+
+def sparse_row_update(update_rows, ids, rows, tables, *, accumulate_duplicates):
+    """The tables after updating only the rows `ids` (with gradient rows `rows`, from `row_entries`).
+
+    O(entries x row size), under `jax.jit` too. `tables` are the table's and
+    its slots' values; `update_rows(grad_rows, weight_rows, *slot_rows)`
+    returns the new `(weight_rows, *slot_rows)`. Ids outside the table
+    (BCOO's padding) are dropped. Every entry keeps its place and carries its
+    id's row, so duplicates write identical values.
+    """
+    tables = list(tables)
     accumulator = _accumulator(tables) if accumulate_duplicates else None
     if accumulator is None:
         ids, rows = grouped_rows(ids, rows, accumulate_duplicates)
@@ -165,8 +178,7 @@ def sparse_row_update(update_rows, gradient, variable, slots, *, accumulate_dupl
         tables[accumulator] = summed
         rows = summed.at[ids].get(mode="clip")
     new_rows = update_rows(rows, *old_rows)
-    for target, table, new in zip(targets, tables, new_rows):
-        target.assign(table.at[ids].set(new.astype(table.dtype), mode="drop"))
+    return tuple(table.at[ids].set(new.astype(table.dtype), mode="drop") for table, new in zip(tables, new_rows))
 
 
 def _accumulator(tables):

@@ -28,20 +28,24 @@ def compiling_helps() -> bool:
     return not tf.distribute.has_strategy() and not in_xla_context()
 
 
-# Per owner (an optimizer), its compiled functions by key.
+# Per owner (an optimizer), its compiled functions by key; and those called eagerly, by key alone.
 _compiled: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_eager: dict = {}
 
 
 def compiled_function(owner, key, make, *, xla: bool = True):
-    """`tf.function(make(), jit_compile=True)`, made once per `(owner, key)`.
+    """`tf.function(make(), jit_compile=True)`, made once per `(owner, key)`; `key` names all `make` depends on.
 
     A trace belongs to its owner: one made inside one model's train function
     must not be called from another's (TF then refers to the first model's
-    variables). With `xla=False`, a graph function TF runs with its own
-    kernels and never inlines into its caller: one body per traced shape,
-    however many variables call it.
+    variables). Called eagerly, the function takes every variable as an
+    argument, so one per key serves every optimizer (a compilation per
+    shape, not per optimizer). With `xla=False`, a graph function TF runs
+    with its own kernels and never inlines into its caller: one body per
+    traced shape, however many variables call it.
     """
-    functions = _compiled.setdefault(owner, {})
+    functions = _eager if tf.executing_eagerly() else _compiled.setdefault(owner, {})
+    key = (key, xla)
     function = functions.get(key)
     if function is None:
         if xla:

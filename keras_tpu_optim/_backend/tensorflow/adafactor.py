@@ -101,13 +101,12 @@ def adafactor_step(optimizer, gradient, variable, learning_rate):
     state = optimizer.state_of(variable)
     step = optimizer.iterations + 1
     variable_index = _private.variable_index(optimizer, variable)
+    options = optimizer.options
     if platform == "cpu" and keras.backend.standardize_dtype(variable.dtype) == "float32":
-        update = compiled_function(
-            optimizer, "adafactor_blocks", lambda: _blocked_update(optimizer.options), xla=False
-        )
+        update = compiled_function(optimizer, ("adafactor_blocks", options), lambda: _blocked_update(options), xla=False)
     else:
         update = compiled_function(
-            optimizer, ("adafactor", reductions), lambda: _assigning_update(optimizer.options, reductions)
+            optimizer, ("adafactor", options, reductions), lambda: _assigning_update(options, reductions)
         )
     with adafactor_kernel.after_previous_step() as done:
         done.append(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from keras_tpu_optim._backend import blocks
 from keras_tpu_optim._backend.tensorflow._compile import (
     compiled_function,
     compiling_helps,
@@ -161,7 +162,11 @@ def compiled_lazy_row_update(
     hash, cheap outside XLA, slow inside) names each id's group, and one XLA
     computation sums the groups in a gradient-sized buffer, gathers, updates
     and scatters. Every id keeps its place, carrying its group's row, so the
-    shapes are those of the gradient (one compilation per batch size).
+    shapes are those of the gradient (one compilation per batch size);
+    eagerly, where sizes vary from call to call, the ids are padded to a
+    power-of-two count of at least `blocks.MIN_BUCKET` (padding names row
+    `rows`, past the end: XLA drops its scatters), so that a compilation
+    serves a bucket of sizes.
 
     `row_function(grad, weight, *slots, *, learning_rate, options,
     ema_step)` is the row update; `options` must be hashable. `ema_step` (an
@@ -176,8 +181,23 @@ def compiled_lazy_row_update(
     indices, values = sparse_entries(gradient)
     indices = _checked_indices(indices, tf.shape(targets[0], out_type=indices.dtype)[0], variable)
     _, group = tf.unique(indices)
+    if tf.executing_eagerly():
+        indices, group, values = _padded(indices, group, values, tf.shape(targets[0], out_type=indices.dtype)[0])
     ema_step = None if ema_step is None else tf.convert_to_tensor(ema_step)
     update(indices, group, values, tf.convert_to_tensor(learning_rate), targets, ema_step)
+
+
+def _padded(indices, group, values, num_rows):
+    """The entries padded to a power-of-two count (at least `blocks.MIN_BUCKET`): id `num_rows`, each its own
+    group, zero values."""
+    count = int(indices.shape[0])
+    padding = blocks.bucket(count) - count
+    if not padding:
+        return indices, group, values
+    indices = tf.concat([indices, tf.fill([padding], num_rows)], 0)
+    group = tf.concat([group, tf.range(count, count + padding, dtype=group.dtype)], 0)
+    values = tf.concat([values, tf.zeros([padding] + values.shape[1:].as_list(), values.dtype)], 0)
+    return indices, group, values
 
 
 def _checked_indices(indices, num_rows, variable):

@@ -13,6 +13,7 @@ from keras_tpu_optim._backend.torch import accumulation, adafactor, rows
 from keras_tpu_optim._math import adafactor as adafactor_math
 
 
+cond = neutral.cond
 apply_if = neutral.apply_if  # Eager: a Python branch.
 prepare_platforms = neutral.prepare_platforms
 prepare_row_tables = neutral.prepare_row_tables
@@ -95,6 +96,9 @@ def embedding_adam_step(optimizer, gradient, variable, learning_rate):
     )
 
 
-def accumulated_apply(optimizer, grads, variables, keras_apply):
-    """Keras's accumulate-or-update step, sparse COO rows accumulated in place (`keras_apply` unused)."""
+def apply_gradients(optimizer, grads, variables, keras_apply):
+    """Keras's step (`keras_apply`), or with `accumulates_rows` the same step with sparse rows accumulated in place."""
+    if not optimizer.accumulates_rows:
+        keras_apply(grads, variables)
+        return
     neutral.accumulated_apply(optimizer, grads, variables, rows=accumulation)
