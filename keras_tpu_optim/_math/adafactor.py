@@ -14,6 +14,7 @@ faster on a platform (same values to float32 rounding).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Optional
 
@@ -97,6 +98,37 @@ class AdafactorOptions:
 
     def to_config(self) -> dict:
         return dataclasses.asdict(self)
+
+
+# The options a compiled step takes as arguments (`split_options`): numbers whose value does not
+# shape the computation, so that one compilation serves all their values; each with the value
+# that stands in for it in the options a compilation is keyed by.
+ARGUMENT_OPTIONS = {
+    "beta_2_decay": -0.8,
+    "epsilon_1": 1e-30,
+    "epsilon_2": 1e-3,
+    "clip_threshold": 1.0,
+    "beta_1": 0.5,
+    "beta_2_cap": 1.0,
+}
+
+
+def split_options(options: AdafactorOptions) -> tuple[AdafactorOptions, dict]:
+    """`(structure, values)`: the options with each set `ARGUMENT_OPTIONS` field replaced by its stand-in, and those values.
+
+    `joined_options(structure, values)` gives options equal to `options` (with
+    array values, inside a compiled function).
+    """
+    values = {name: getattr(options, name) for name in ARGUMENT_OPTIONS if getattr(options, name) is not None}
+    return dataclasses.replace(options, **{name: ARGUMENT_OPTIONS[name] for name in values}), values
+
+
+def joined_options(structure: AdafactorOptions, values: dict) -> AdafactorOptions:
+    """`structure` with `values` (arrays: not checked again, as the numbers they hold were)."""
+    options = copy.copy(structure)
+    for name, value in values.items():
+        object.__setattr__(options, name, value)
+    return options
 
 
 class Reductions:

@@ -51,6 +51,34 @@ class RowUpdateOptions:
         return self.adam_slot_names + (("average_steps", "average") if self.ema_momentum is not None else ())
 
 
+# The options a compiled row update takes as arguments (`split_options`): numbers whose value
+# does not shape the computation, so that one compilation serves all their values. (The betas
+# stay static: the per-row bias correction takes their logarithms in float64.)
+ARGUMENT_OPTIONS = (
+    "epsilon",
+    "gradient_clip_min",
+    "gradient_clip_max",
+    "clip_weight_min",
+    "clip_weight_max",
+    "weight_decay_factor",
+    "ema_momentum",
+)
+
+
+def split_options(options: RowUpdateOptions) -> tuple[RowUpdateOptions, dict]:
+    """`(structure, values)`: the options with each set `ARGUMENT_OPTIONS` field as a placeholder, and those values.
+
+    `joined_options(structure, values)` gives options equal to `options` (with
+    array values, inside a compiled function).
+    """
+    values = {name: getattr(options, name) for name in ARGUMENT_OPTIONS if getattr(options, name) is not None}
+    return dataclasses.replace(options, **dict.fromkeys(values, 0.0)), values
+
+
+def joined_options(structure: RowUpdateOptions, values: dict) -> RowUpdateOptions:
+    return dataclasses.replace(structure, **values)
+
+
 def bias_corrected_learning_rate(learning_rate, step, beta_1: float, beta_2: float):
     """`lr_t = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)`, t = iterations + 1.
 

@@ -92,23 +92,29 @@ def adafactor_step(optimizer, gradient, variable, learning_rate):
     """The neutral step with the platform's reductions, as one `jax.jit` per options (inlined where traced)."""
     state = optimizer.state_of(variable)
     targets = (variable, *state.slots) + (() if state.momentum is None else (state.momentum,))
-    update = _adafactor_update(optimizer.options, adafactor_reductions(optimizer.platform_of(variable)))
+    structure, values = adafactor_math.split_options(optimizer.options)
+    update = _adafactor_update(structure, adafactor_reductions(optimizer.platform_of(variable)))
     new_values = update(
         densify(gradient),
         tuple(t.value for t in targets),
         ops.convert_to_tensor(learning_rate),
         ops.convert_to_tensor(optimizer.iterations + 1),
         _private.variable_index(optimizer, variable),
+        {name: ops.convert_to_tensor(value, "float32") for name, value in values.items()},
     )
     for target, value in zip(targets, new_values):
         optimizer.assign(target, value)
 
 
 @functools.cache
-def _adafactor_update(options, reductions):
-    """`(gradient, (variable, *slots[, momentum]), learning_rate, step, variable_index) -> their new values`."""
+def _adafactor_update(structure, reductions):
+    """`(gradient, (variable, *slots[, momentum]), learning_rate, step, variable_index, option_values)` -> the new values.
 
-    def update(gradient, values, learning_rate, step, variable_index):
+    Compiled once per shape and options' structure (`adafactor_math.split_options`: the numbers are arguments).
+    """
+
+    def update(gradient, values, learning_rate, step, variable_index, option_values):
+        options = adafactor_math.joined_options(structure, option_values)
         variable, slots = values[0], values[1 : len(values) - (options.beta_1 is not None)]
         momentum = values[-1] if options.beta_1 is not None else None
         delta, new_slots, new_momentum = adafactor_math.adafactor_update(
@@ -147,31 +153,37 @@ def embedding_adam_step(optimizer, gradient, variable, learning_rate):
         path = ("dense", min(num_rows, optimizer.max_touched_rows or rows.default_capacity(num_rows)))
         entries = (gradient,)
     targets = (variable, *optimizer.row_slots(variable))
-    update = _row_update(path, optimizer.row_update_options(variable))
+    structure, values = adam_math.split_options(optimizer.row_update_options(variable))
+    update = _row_update(path, structure)
     ema_step = optimizer.ema_step()
     new_values = update(
         entries,
         tuple(t.value for t in targets),
         ops.convert_to_tensor(optimizer.row_learning_rate(learning_rate)),
         None if ema_step is None else ops.convert_to_tensor(ema_step),
+        {name: ops.convert_to_tensor(value, "float32") for name, value in values.items()},
     )
     for target, value in zip(targets, new_values):
         target.assign(value)
 
 
 @functools.cache
-def _row_update(path, options):
+def _row_update(path, structure):
     """The lazy row update of a path (`("dense", capacity)` or `("sparse", accumulate_duplicates)`), as one `jax.jit`.
 
     Traced, it is inlined into the caller's computation; eagerly it compiles
-    once per shape (its loop and gathers traced op by op would compile at
-    every call), and a BCOO's entries are padded to a power-of-two count.
+    once per shape and options' structure (`adam_math.split_options`: the
+    numbers are arguments), where its loop and gathers traced op by op would
+    compile at every call; a BCOO's entries are padded to a power-of-two count.
     """
     kind, static = path
 
-    def update(entries, tables, learning_rate, ema_step):
+    def update(entries, tables, learning_rate, ema_step, values):
         update_rows = functools.partial(
-            neutral.update_rows_in_float32, learning_rate=learning_rate, options=options, ema_step=ema_step
+            neutral.update_rows_in_float32,
+            learning_rate=learning_rate,
+            options=adam_math.joined_options(structure, values),
+            ema_step=ema_step,
         )
         if kind == "dense":
             return rows.lazy_row_update(update_rows, *entries, tables, capacity=static)

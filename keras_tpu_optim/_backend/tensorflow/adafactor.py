@@ -101,12 +101,15 @@ def adafactor_step(optimizer, gradient, variable, learning_rate):
     state = optimizer.state_of(variable)
     step = optimizer.iterations + 1
     variable_index = _private.variable_index(optimizer, variable)
-    options = optimizer.options
+    # The options' numbers are arguments: one trace serves every value of them.
+    structure, option_values = adafactor_math.split_options(optimizer.options)
     if platform == "cpu" and keras.backend.standardize_dtype(variable.dtype) == "float32":
-        update = compiled_function(optimizer, ("adafactor_blocks", options), lambda: _blocked_update(options), xla=False)
+        update = compiled_function(
+            optimizer, ("adafactor_blocks", structure), lambda: _blocked_update(structure), xla=False
+        )
     else:
         update = compiled_function(
-            optimizer, ("adafactor", options, reductions), lambda: _assigning_update(options, reductions)
+            optimizer, ("adafactor", structure, reductions), lambda: _assigning_update(structure, reductions)
         )
     with adafactor_kernel.after_previous_step() as done:
         done.append(
@@ -119,12 +122,14 @@ def adafactor_step(optimizer, gradient, variable, learning_rate):
                 tf.convert_to_tensor(step),
                 # A tensor, so that one trace serves every variable of a shape.
                 tf.constant(variable_index, tf.int32),
+                {name: tf.constant(value, tf.float32) for name, value in option_values.items()},
             )
         )
 
 
-def _blocked_update(options):
-    def update(grad, variable, slots, momentum, learning_rate, step, variable_index):
+def _blocked_update(structure):
+    def update(grad, variable, slots, momentum, learning_rate, step, variable_index, option_values):
+        options = adafactor_math.joined_options(structure, option_values)
         assignments = adafactor_kernel.adafactor_step(
             grad, variable, slots, momentum,
             learning_rate=learning_rate, step=step, options=options, variable_index=variable_index,
@@ -136,8 +141,9 @@ def _blocked_update(options):
 
 
 
-def _assigning_update(options, reductions):
-    def update(grad, variable, slots, momentum, learning_rate, step, variable_index):
+def _assigning_update(structure, reductions):
+    def update(grad, variable, slots, momentum, learning_rate, step, variable_index, option_values):
+        options = adafactor_math.joined_options(structure, option_values)
         delta, new_slots, new_momentum = adafactor_math.adafactor_update(
             tf.cast(grad, tf.float32),
             tf.cast(variable, tf.float32),

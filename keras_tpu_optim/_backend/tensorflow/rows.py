@@ -22,6 +22,7 @@ from keras_tpu_optim._backend.tensorflow._compile import (
     native_variable,
 )
 from keras_tpu_optim._backend.tensorflow.gradients import sparse_entries
+from keras_tpu_optim._math import embedding_adam as adam_math
 
 
 def unique_rows(indices, values, accumulate_duplicates):
@@ -169,13 +170,16 @@ def compiled_lazy_row_update(
     serves a bucket of sizes.
 
     `row_function(grad, weight, *slots, *, learning_rate, options,
-    ema_step)` is the row update; `options` must be hashable. `ema_step` (an
-    integer scalar, or None) is passed through to it.
+    ema_step)` is the row update; the options' numbers are arguments of the
+    compiled function (`adam_math.split_options`), so one compilation
+    serves every value of them. `ema_step` (an integer scalar, or None) is
+    passed through to it.
     """
+    structure, option_values = adam_math.split_options(options)
     update = compiled_function(
         owner,
-        ("lazy_row_update", row_function, options, accumulate_duplicates),
-        lambda: _compilable_update(row_function, options, accumulate_duplicates),
+        ("lazy_row_update", row_function, structure, accumulate_duplicates),
+        lambda: _compilable_update(row_function, structure, accumulate_duplicates),
     )
     targets = [native_variable(variable)] + [native_variable(s) for s in slots]
     indices, values = sparse_entries(gradient)
@@ -184,7 +188,8 @@ def compiled_lazy_row_update(
     if tf.executing_eagerly():
         indices, group, values = _padded(indices, group, values, tf.shape(targets[0], out_type=indices.dtype)[0])
     ema_step = None if ema_step is None else tf.convert_to_tensor(ema_step)
-    update(indices, group, values, tf.convert_to_tensor(learning_rate), targets, ema_step)
+    option_values = {name: tf.constant(value, tf.float32) for name, value in option_values.items()}
+    update(indices, group, values, tf.convert_to_tensor(learning_rate), targets, ema_step, option_values)
 
 
 def _padded(indices, group, values, num_rows):
@@ -218,8 +223,10 @@ def _checked_indices(indices, num_rows, variable):
         return tf.identity(indices)
 
 
-def _compilable_update(row_function, options, accumulate_duplicates):
-    def update(indices, group, values, learning_rate, targets, ema_step):
+def _compilable_update(row_function, structure, accumulate_duplicates):
+    def update(indices, group, values, learning_rate, targets, ema_step, option_values):
+        options = adam_math.joined_options(structure, option_values)
+
         def update_rows(*rows):
             return row_function(*rows, learning_rate=learning_rate, options=options, ema_step=ema_step)
 
