@@ -1,16 +1,45 @@
 #!/usr/bin/env bash
-# The README's second command: set up the environment if needed, then run the whole
-# test suite once per Keras backend, each in its own process (TensorFlow and torch
-# must not share a process). Fails if any backend fails. Extra args go to pytest.
+# The README's second command: set up the environment if needed, then run the test suite once
+# per Keras backend, each in its own processes (TensorFlow and torch must not share one), with
+# pytest-xdist workers. Fails if any backend fails. Prints each pass's wall time and its 15
+# slowest tests, then the total.
+#
+#   bash dev/test.sh            every test, on TensorFlow, JAX and torch (what CI runs)
+#   bash dev/test.sh --quick    the unit tests only: no subprocesses, multi-process jobs, demo or benchmarks
+#
+# Extra arguments go to pytest (`bash dev/test.sh -k adafactor`). TEST_WORKERS sets the number
+# of xdist workers per pass (default 2, this machine's cores; 0 runs in the pytest process).
+start=$(date +%s)
 . "$(dirname "$0")/env.sh"
+echo "environment ready after $(( $(date +%s) - start )) s"
+selection=()
+if [ "${1:-}" = "--quick" ]; then
+  shift
+  selection=(tests -m "not processes")
+fi
+workers="${TEST_WORKERS:-2}"
+parallel=()
+if [ "$workers" != "0" ]; then
+  # worksteal: an idle worker takes queued tests from a busy one (test times range from ms to minutes).
+  parallel=(-n "$workers" --dist worksteal)
+fi
+# Test-run settings, not the package's: XLA's CPU code generated without LLVM's optimisations
+# (the tests' tensors are tiny; compiling is most of their time), and one JAX compilation cache
+# for the run, shared by the workers and the processes tests start (identical programs compile once).
+export XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 ${XLA_FLAGS:-}"
+JAX_COMPILATION_CACHE_DIR="$(mktemp -d)"
+trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
+export JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 failed=()
 for backend in tensorflow jax torch; do
   echo "=== KERAS_BACKEND=$backend ==="
-  if ! KERAS_BACKEND=$backend XLA_FLAGS="--xla_force_host_platform_device_count=8 ${XLA_FLAGS:-}" \
-      python -m pytest -q -p no:cacheprovider "$@"; then
+  pass_start=$(date +%s)
+  if ! KERAS_BACKEND=$backend python -m pytest -q -p no:cacheprovider --durations=15 "${parallel[@]}" "${selection[@]}" "$@"; then
     failed+=("$backend")
   fi
+  echo "=== KERAS_BACKEND=$backend: $(( $(date +%s) - pass_start )) s ==="
 done
+echo "Total: $(( $(date +%s) - start )) s (environment included)"
 if [ ${#failed[@]} -gt 0 ]; then
   echo "FAILED on: ${failed[*]}"
   exit 1

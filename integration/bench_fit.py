@@ -66,7 +66,7 @@ TARGET_FRACTION = 0.25  # ours' step peak <= SGD's + 0.25 x param bytes
 
 def shape_of(quick: bool) -> dict:
     if quick:
-        return dict(vocab=1000, seq=32, width=64, heads=4, ff=256, layers=2, batch=2)
+        return dict(vocab=256, seq=16, width=32, heads=2, ff=64, layers=1, batch=2)
     return dict(vocab=32000, seq=128, width=768, heads=12, ff=3072, layers=2, batch=2)
 
 
@@ -246,6 +246,8 @@ def worker(name: str, quick: bool, steps: int, warmup: int) -> dict:
 
 def run_worker(backend, name, args) -> dict:
     steps = args.bf16_steps if name in ROUNDING_RUNS else args.steps
+    if args.in_process:
+        return _run_in_process(backend, name, steps, args)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--steps", str(steps),
            "--warmup", str(args.warmup)] + (["--quick"] if args.quick else [])
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
@@ -263,6 +265,23 @@ def run_worker(backend, name, args) -> dict:
           f"fit peak +{result['fit_peak_mb']:.0f} MB, "
           f"warm-up +{result['warmup_rss_growth_mb']:.0f} MB, eval loss {result['eval_loss']:.4f} "
           f"({time.time() - t0:.0f} s)", flush=True)
+    return result
+
+
+def _run_in_process(backend, name, steps, args) -> dict:
+    """The worker in this process (`--in-process`: a smoke test of the code paths, not a measurement)."""
+    import keras
+
+    if backend != keras.backend.backend():
+        raise SystemExit(f"--in-process runs on this process's backend ({keras.backend.backend()}), not {backend}")
+    policy = keras.config.dtype_policy()
+    keras.backend.clear_session()
+    try:
+        result = worker(name, args.quick, steps, args.warmup)
+    finally:
+        keras.config.set_dtype_policy(policy)
+        keras.backend.clear_session()
+    print(f"  {backend} / {name}: {result['median_ms']:.0f} ms/step (in process)", flush=True)
     return result
 
 
@@ -346,6 +365,9 @@ def main(argv=None):
     ap.add_argument("--backends", default=None, help="comma-separated (default: KERAS_BACKEND, else all three)")
     ap.add_argument("--only", default=None, help="comma-separated optimizer names to run (default: all)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per worker")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run every optimizer in this process (smoke tests: one process's memory is shared, "
+                         "so its figures are no measurement)")
     ap.add_argument("--json", default=None, help="write the results as JSON to this path")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

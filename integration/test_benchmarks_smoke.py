@@ -1,43 +1,41 @@
 """Smoke test of the benchmark scripts: they run and print their tables.
 
-Each script runs with `--quick` (tiny sizes) on the current backend, in a
-subprocess that inherits KERAS_BACKEND. Nothing here is timed or compared:
-benchmark figures are for the report (`integration/run_benchmarks.py`), never
-for assertions.
+Each script's `main` runs with `--quick` (tiny sizes) in this test process,
+on its backend (`bench_fit.py` with `--in-process`: its optimizers one after
+another here, not each in a process of its own). Nothing here is timed or
+compared: benchmark figures are for the report
+(`integration/run_benchmarks.py`), never for assertions.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
-import os
-import subprocess
 import sys
 
 import keras
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+pytestmark = pytest.mark.processes  # the benchmark scripts (one starts a torch process)
+
 BACKEND = keras.backend.backend()
 
 
-def _run(script, tmp_path, *extra, timeout=300):
+def _run(script, tmp_path, capsys, *extra):
     out = tmp_path / f"{script}.json"
-    env = dict(os.environ, KERAS_BACKEND=BACKEND, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, script), "--quick", "--json", str(out), *extra],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, f"{script} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    module = importlib.import_module(script.removesuffix(".py"))
+    argv = ["--quick", "--json", str(out), *extra]
+    code = module.main(argv)
+    stdout = capsys.readouterr().out
+    sys.stdout.write(stdout[-2000:])  # shown if the test fails
+    assert not code, f"{script} {' '.join(argv)} exited {code}:\n{stdout[-3000:]}"
     with open(out) as f:
-        return proc.stdout, json.load(f)
+        return stdout, json.load(f)
 
 
 @pytest.mark.skipif(BACKEND not in ("tensorflow", "jax", "torch"), reason="benchmarks cover TF, JAX and torch")
-def test_bench_adafactor_quick(tmp_path):
-    stdout, data = _run("bench_adafactor.py", tmp_path, "--steps", "2", "--warmup", "1")
+def test_bench_adafactor_quick(tmp_path, capsys):
+    stdout, data = _run("bench_adafactor.py", tmp_path, capsys, "--steps", "2", "--warmup", "1")
     assert f"Adafactor on {BACKEND}" in stdout
     assert "Ratios, ours / peer" in stdout
     assert "Targets" in stdout
@@ -49,8 +47,8 @@ def test_bench_adafactor_quick(tmp_path):
 
 
 @pytest.mark.skipif(BACKEND not in ("tensorflow", "jax", "torch"), reason="benchmarks cover TF, JAX and torch")
-def test_bench_embedding_adam_quick(tmp_path):
-    stdout, data = _run("bench_embedding_adam.py", tmp_path, "--steps", "2", "--warmup", "1")
+def test_bench_embedding_adam_quick(tmp_path, capsys):
+    stdout, data = _run("bench_embedding_adam.py", tmp_path, capsys, "--steps", "2", "--warmup", "1")
     assert f"EmbeddingAdam on {BACKEND}" in stdout
     assert "Peak memory of the step" in stdout
     assert "Ratios, ours / peer" in stdout
@@ -74,8 +72,8 @@ def test_bench_embedding_adam_quick(tmp_path):
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="the BCOO configuration is JAX's")
-def test_bench_embedding_adam_interleaved_sizes_quick(tmp_path):
-    stdout, data = _run("bench_embedding_adam.py", tmp_path, "--steps", "3", "--warmup", "1", "--only", "[BCOO]",
+def test_bench_embedding_adam_interleaved_sizes_quick(tmp_path, capsys):
+    stdout, data = _run("bench_embedding_adam.py", tmp_path, capsys, "--steps", "3", "--warmup", "1", "--only", "[BCOO]",
                         "--interleave")
     assert "interleaved: 10k, 100k" in stdout
     records = [r for r in data["records"] if "error" not in r]
@@ -85,8 +83,8 @@ def test_bench_embedding_adam_interleaved_sizes_quick(tmp_path):
 
 
 @pytest.mark.skipif(BACKEND not in ("tensorflow", "jax", "torch"), reason="benchmarks cover TF, JAX and torch")
-def test_bench_embedding_options_quick(tmp_path):
-    stdout, data = _run("bench_embedding_options.py", tmp_path, "--steps", "8", "--big", "40k")
+def test_bench_embedding_options_quick(tmp_path, capsys):
+    stdout, data = _run("bench_embedding_options.py", tmp_path, capsys, "--steps", "8", "--big", "40k")
     assert f"EmbeddingAdam options on {BACKEND}" in stdout
     assert "Targets" in stdout
     measured = {(r["who"], r["options"]) for r in data["records"] if "error" not in r and r["steps_ms"]}
@@ -96,8 +94,8 @@ def test_bench_embedding_options_quick(tmp_path):
 
 
 @pytest.mark.skipif(BACKEND not in ("tensorflow", "jax", "torch"), reason="benchmarks cover TF, JAX and torch")
-def test_bench_fit_quick(tmp_path):
-    stdout, data = _run("bench_fit.py", tmp_path, "--steps", "2", "--warmup", "1", timeout=900)
+def test_bench_fit_quick(tmp_path, capsys):
+    stdout, data = _run("bench_fit.py", tmp_path, capsys, "--steps", "2", "--warmup", "1", "--in-process")
     assert f"fit on {BACKEND}" in stdout
     assert "Ratios, ours / peer" in stdout
     assert "Targets" in stdout

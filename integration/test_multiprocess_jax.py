@@ -2,8 +2,8 @@
 127.0.0.1 port picked at run time), a (2, 4) ("model", "batch") mesh whose "model" axis spans
 the two processes, an embedding table's rows and a kernel's columns split on "model".
 
-One test, four jobs (each process runs every optimizer configuration in turn, so the
-start-up and the distributed handshake are paid once per job):
+One test, four jobs in two rounds of two side by side (each process runs every optimizer
+configuration in turn, so the start-up and the distributed handshake are paid once per job):
   1. two processes: fit 5 steps, `keras.callbacks.OrbaxCheckpoint` saving after step 3
      (mid-accumulation for the accumulating configurations): the uninterrupted run;
   2. one process x 8 devices, same mesh: the reference fit, no checkpoint;
@@ -34,25 +34,30 @@ CONFIGS = [
     "adafactor_beta_1_ema_accumulation",
 ]
 SAVE_AT, TOTAL = 3, 5
-JOB_TIMEOUT = 240
+JOB_TIMEOUT = 400
 
-pytestmark = pytest.mark.skipif(
-    BACKEND != "jax", reason=f"JAX multi-process training runs in the JAX pass; this pass is {BACKEND}"
-)
+pytestmark = [
+    pytest.mark.processes,
+    pytest.mark.skipif(
+        BACKEND != "jax", reason=f"JAX multi-process training runs in the JAX pass; this pass is {BACKEND}"
+    ),
+]
 
 
-def _job(tmp_path, name, num_processes, runs):
+def _jobs(tmp_path, name, jobs):
+    """Run `jobs` (`(job name, num_processes, runs)`, independent of each other) side by side; wait for all."""
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
-    (port,) = free_ports(1)
-    spec = tmp_path / f"{name}.json"
-    spec.write_text(json.dumps({"port": port, "num_processes": num_processes, "runs": runs, "out": str(out)}))
-    devices = 8 // num_processes
-    env = child_env(KERAS_BACKEND="jax", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     started = time.monotonic()
     with ProcessGroup(tmp_path / "logs", name) as group:
-        for process_id in range(num_processes):
-            group.start(f"p{process_id}", [WORKER, str(spec), str(process_id)], env)
+        for job, num_processes, runs in jobs:
+            (port,) = free_ports(1)
+            spec = tmp_path / f"{job}.json"
+            spec.write_text(json.dumps({"port": port, "num_processes": num_processes, "runs": runs, "out": str(out)}))
+            devices = 8 // num_processes
+            env = child_env(KERAS_BACKEND="jax", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+            for process_id in range(num_processes):
+                group.start(f"{job}_p{process_id}", [WORKER, str(spec), str(process_id)], env)
         group.wait(JOB_TIMEOUT)
     print(f"{name}: {time.monotonic() - started:.1f} s")
     return out
@@ -64,16 +69,12 @@ def _held(out, name, process_id):
 
 def test_two_processes_fit_checkpoint_and_resume(tmp_path):
     checkpoint = {c: str(tmp_path / f"ckpt_{c}") for c in CONFIGS}
-    out = _job(
-        tmp_path,
-        "train",
-        2,
-        [
-            {"op": "train", "name": f"{c}_2x4", "optimizer": c, "save_at": SAVE_AT, "checkpoint": checkpoint[c]}
-            for c in CONFIGS
-        ],
-    )
-    _job(tmp_path, "reference", 1, [{"op": "train", "name": f"{c}_1x8", "optimizer": c} for c in CONFIGS])
+    train = [
+        {"op": "train", "name": f"{c}_2x4", "optimizer": c, "save_at": SAVE_AT, "checkpoint": checkpoint[c]}
+        for c in CONFIGS
+    ]
+    reference = [{"op": "train", "name": f"{c}_1x8", "optimizer": c} for c in CONFIGS]
+    out = _jobs(tmp_path, "train", [("train", 2, train), ("reference", 1, reference)])
     resume_runs = [
         {"op": "resume", "name": f"{c}_resumed", "optimizer": c, "checkpoint": checkpoint[c], "resume_at": SAVE_AT}
         for c in CONFIGS
@@ -89,16 +90,11 @@ def test_two_processes_fit_checkpoint_and_resume(tmp_path):
         }
     )
     resume_runs.append({"op": "save_keras", "name": "save_keras", "optimizer": "embedding_adam"})
-    _job(tmp_path, "resume", 2, resume_runs)
-    _job(
-        tmp_path,
-        "resume_1x8",
-        1,
-        [
-            {"op": "resume", "name": f"{c}_resumed_1x8", "optimizer": c, "checkpoint": checkpoint[c], "resume_at": SAVE_AT}
-            for c in CONFIGS
-        ],
-    )
+    resume_1x8 = [
+        {"op": "resume", "name": f"{c}_resumed_1x8", "optimizer": c, "checkpoint": checkpoint[c], "resume_at": SAVE_AT}
+        for c in CONFIGS
+    ]
+    _jobs(tmp_path, "resume", [("resume", 2, resume_runs), ("resume_1x8", 1, resume_1x8)])
 
     for c in CONFIGS:
         weights, state = run_arrays(out, f"{c}_2x4")

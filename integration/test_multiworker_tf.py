@@ -29,9 +29,12 @@ SAVE_AT = 3
 JOB_TIMEOUT = 240
 TIME_STEPS = 30
 
-pytestmark = pytest.mark.skipif(
-    BACKEND != "tensorflow", reason=f"MultiWorkerMirroredStrategy runs in the TensorFlow pass; this pass is {BACKEND}"
-)
+pytestmark = [
+    pytest.mark.processes,
+    pytest.mark.skipif(
+        BACKEND != "tensorflow", reason=f"MultiWorkerMirroredStrategy runs in the TensorFlow pass; this pass is {BACKEND}"
+    ),
+]
 
 
 def _job(tmp_path, name, num_workers, runs):

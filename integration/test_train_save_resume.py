@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import keras
 import numpy as np
@@ -18,21 +19,40 @@ import pytest
 TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
 from _kto_models import compile_model, fit_steps, make_data, make_model, make_optimizer, optimizer_state, weights_of  # noqa: E402
 
+pytestmark = pytest.mark.processes  # it starts other processes
+
 BACKEND = keras.backend.backend()
 WORKER = os.path.join(TESTS, "_resume_worker.py")
 
 def _run_worker(backend, tasks, tmp_path, name):
+    """A worker process on `backend`; its output goes to a log file (a pipe nobody reads could fill up)."""
     job = tmp_path / f"{name}.json"
     job.write_text(json.dumps({"tasks": tasks}))
-    env = dict(os.environ, KERAS_BACKEND=backend)
-    return subprocess.Popen(
-        [sys.executable, WORKER, str(job)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
+    log = open(tmp_path / f"{name}.log", "w")
+    process = subprocess.Popen([sys.executable, WORKER, str(job)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    process.log = tmp_path / f"{name}.log"
+    return process
+
+
+def _output(process):
+    return process.log.read_text(errors="replace")[-4000:]
+
+
+def _saved_by(process, path, timeout=400):
+    """Wait until `process` has saved `path`; fail at once, with its output, if it exited without."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path + ".done"):
+        if process.poll() is not None and not os.path.exists(path + ".done"):
+            raise AssertionError(f"exited {process.returncode} before saving {path}:\n{_output(process)}")
+        assert time.monotonic() < deadline, f"{path} was not saved within {timeout} s"
+        time.sleep(0.2)
 
 
 def _wait(process, timeout=240):
-    output, _ = process.communicate(timeout=timeout)
-    assert process.returncode == 0, output[-4000:]
+    process.wait(timeout=timeout)
+    assert process.returncode == 0, _output(process)
 
 
 def _load_result(path):
@@ -109,9 +129,9 @@ def test_exact_resume_in_a_fresh_process(tmp_path):
 @pytest.mark.skipif(BACKEND != "jax", reason="drives all three backends (subprocesses); runs once, under JAX")
 def test_file_saved_on_one_backend_resumes_on_the_others(tmp_path):
     """Each backend resumes the files of the other two; each run is compared with
-    the saving backend's own uninterrupted run. Sequenced so that only two
-    subprocesses are needed: JAX (here) saves; TF resumes it and saves; torch
-    resumes both and saves; TF resumes torch's; JAX resumes TF's and torch's."""
+    the saving backend's own uninterrupted run. JAX (here) saves first; then a
+    TensorFlow and a torch process, side by side, each resume JAX's files, save
+    their own, and resume the other's once it is saved; JAX resumes both."""
     scenarios = {
         "adafactor": ("mlp", {"class": "Adafactor", "kwargs": {"learning_rate": 0.1, "beta_1": 0.5}}),
         "embedding_adam": ("recommender", {"class": "EmbeddingAdam", "schedule": 0.05}),
@@ -129,6 +149,9 @@ def test_file_saved_on_one_backend_resumes_on_the_others(tmp_path):
     }
     steps, more_steps, batch_size = 2, 2, 16
 
+    def saved(name, backend):
+        return str(tmp_path / f"{name}_{backend}.keras")
+
     def train_save(name, backend):
         kind, spec = scenarios[name]
         return {
@@ -138,14 +161,15 @@ def test_file_saved_on_one_backend_resumes_on_the_others(tmp_path):
             "data": str(tmp_path / f"{name}.npz"),
             "steps": steps,
             "batch_size": batch_size,
-            "save": str(tmp_path / f"{name}_{backend}.keras"),
+            "save": saved(name, backend),
             "out": str(tmp_path / f"{name}_{backend}_reference.npz"),
         }
 
     def resume(name, source, target):
         return {
             "op": "resume",
-            "model": str(tmp_path / f"{name}_{source}.keras"),
+            "model": saved(name, source),
+            "after": saved(name, source),
             "data": str(tmp_path / f"{name}_rest.npz"),
             "batch_size": batch_size,
             "out": str(tmp_path / f"{name}_{source}_on_{target}.npz"),
@@ -160,21 +184,23 @@ def test_file_saved_on_one_backend_resumes_on_the_others(tmp_path):
 
     for name in scenarios:
         _resume_worker.run(train_save(name, "jax"))
-    _wait(_run_worker("tensorflow", [t for n in scenarios for t in (resume(n, "jax", "tensorflow"), train_save(n, "tensorflow"))], tmp_path, "tf"))
-    _wait(
-        _run_worker(
-            "torch",
-            [t for n in scenarios for t in (resume(n, "jax", "torch"), resume(n, "tensorflow", "torch"), train_save(n, "torch"))],
-            tmp_path,
-            "torch",
-        )
-    )
-    last_tf = _run_worker("tensorflow", [resume(n, "torch", "tensorflow") for n in scenarios], tmp_path, "tf2")
-    for name in scenarios:
-        keras.backend.clear_session()
-        _resume_worker.run(resume(name, "tensorflow", "jax"))
-        _resume_worker.run(resume(name, "torch", "jax"))
-    _wait(last_tf)
+    workers = {}
+    for backend, other in (("tensorflow", "torch"), ("torch", "tensorflow")):
+        tasks = [t for n in scenarios for t in (resume(n, "jax", backend), train_save(n, backend))]
+        tasks += [resume(n, other, backend) for n in scenarios]
+        workers[backend] = _run_worker(backend, tasks, tmp_path, backend)
+    try:
+        for name in scenarios:
+            for source in ("tensorflow", "torch"):
+                _saved_by(workers[source], saved(name, source))
+                keras.backend.clear_session()
+                _resume_worker.run(resume(name, source, "jax"))
+        for process in workers.values():
+            _wait(process, timeout=600)
+    finally:
+        for process in workers.values():
+            if process.poll() is None:
+                process.kill()
 
     backends = ["jax", "tensorflow", "torch"]
     for name in scenarios:

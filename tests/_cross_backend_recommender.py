@@ -1,10 +1,10 @@
 """Train a small recommender with EmbeddingAdam on the backend KERAS_BACKEND selects.
 
 Run by tests/test_embedding_adam_cross_backend.py once per backend, each in its own
-process: `python tests/_cross_backend_recommender.py INPUT.npz OUTPUT.npz [OPTIONS_JSON]`. INPUT holds
+process: `python tests/_cross_backend_recommender.py INPUT.npz OUTPUT_PREFIX CASES_JSON`. INPUT holds
 the initial weights (`embedding`, `kernel`, `bias`) and the data (`ids`, `targets`);
-OUTPUT receives the weights after training, under the same names. OPTIONS_JSON: extra
-EmbeddingAdam keyword arguments.
+CASES_JSON maps a case name to extra EmbeddingAdam keyword arguments; `OUTPUT_PREFIX_<case>.npz`
+receives each case's weights after training, under the same names.
 """
 
 import json
@@ -30,9 +30,9 @@ def build_model(vocabulary, dim, ids_per_example):
     )
 
 
-def main(input_path, output_path, options="{}"):
-    data = np.load(input_path)
+def train(data, options):
     vocabulary, dim = data["embedding"].shape
+    keras.backend.clear_session()
     model = build_model(vocabulary, dim, data["ids"].shape[1])
     model.set_weights([data["embedding"], data["kernel"], data["bias"]])
     optimizer = kto.EmbeddingAdam(
@@ -41,13 +41,19 @@ def main(input_path, output_path, options="{}"):
         weight_decay_factor=0.5,
         multiply_weight_decay_factor_by_learning_rate=True,
         clip_weight_max=0.12,
-        **json.loads(options),
+        **options,
     )
     model.compile(optimizer=optimizer, loss="mse")
     model.fit(data["ids"], data["targets"], batch_size=STEPS_PER_EPOCH_BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     embedding, kernel, bias = model.get_weights()
-    np.savez(output_path, embedding=embedding, kernel=kernel, bias=bias,
-             iterations=np.asarray(keras.ops.convert_to_numpy(optimizer.iterations)))
+    return dict(embedding=embedding, kernel=kernel, bias=bias,
+                iterations=np.asarray(keras.ops.convert_to_numpy(optimizer.iterations)))
+
+
+def main(input_path, output_prefix, cases):
+    data = np.load(input_path)
+    for name, options in json.loads(cases).items():
+        np.savez(f"{output_prefix}_{name}.npz", **train(data, options))
 
 
 if __name__ == "__main__":

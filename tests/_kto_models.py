@@ -15,7 +15,7 @@ from keras import layers, ops
 import keras_tpu_optim as kto
 
 SEQ_LEN, VOCAB, CLASSES = 6, 20, 4
-USERS, ITEMS, DIM = 20_000, 300, 8
+USERS, ITEMS, DIM = 2_000, 300, 8
 
 
 # ------------------------------------------------------------------- models

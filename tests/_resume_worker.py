@@ -10,10 +10,15 @@ job.json holds {"tasks": [...]}, each task one of
    "batch_size": b, "save": "m.keras", "out": "ref.npz"}:
   build and compile a model, fit n steps, save it, fit the remaining data
   (the uninterrupted reference) and write the weights.
+A task may name `"after": "path.keras"`, a file another process saves: it waits
+(at most `WAIT_SECONDS`) until that process has finished saving it. Every saved
+file is marked finished with `path.keras.done`.
 """
 
 import json
+import os
 import sys
+import time
 
 import numpy as np
 
@@ -29,7 +34,21 @@ def save_result(path, model):
     np.savez(path, **arrays)
 
 
+WAIT_SECONDS = 400
+
+
+def wait_for(path):
+    """Wait until the process saving `path` marked it finished."""
+    deadline = time.monotonic() + WAIT_SECONDS
+    while not os.path.exists(path + ".done"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} was not saved within {WAIT_SECONDS} s")
+        time.sleep(0.2)
+
+
 def run(task):
+    if task.get("after"):
+        wait_for(task["after"])
     data = np.load(task["data"])
     x, y = data["x"], data["y"]
     batch_size = task["batch_size"]
@@ -42,6 +61,7 @@ def run(task):
         split = task["steps"] * batch_size
         fit_steps(model, x[:split], y[:split], batch_size)
         model.save(task["save"])
+        open(task["save"] + ".done", "w").close()
         fit_steps(model, x[split:], y[split:], batch_size)
         save_result(task["out"], model)
     else:

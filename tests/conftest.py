@@ -13,13 +13,25 @@ if keras.backend.backend() == "tensorflow":
     )
 
 
+# Backend-neutral tests (the import graph, numpy references, files read without the package) run
+# in one pass only.
+NEUTRAL_PASS = "jax"
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("backend_neutral") and keras.backend.backend() != NEUTRAL_PASS:
+        pytest.skip(f"backend-neutral: runs once, in the {NEUTRAL_PASS} pass")
+
+
 def pytest_report_header(config):
     return f"keras {keras.__version__}, backend: {keras.backend.backend()}"
 
 
 @pytest.fixture(autouse=True)
 def _fresh_keras_state():
-    keras.backend.clear_session()
+    # Not Keras's default `gc.collect()` before every test: about 0.15 s each, most of a
+    # small test's time; Python collects as it goes.
+    keras.backend.clear_session(free_memory=False)
     yield
 
 

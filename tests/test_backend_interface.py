@@ -51,6 +51,7 @@ def test_backend_resolved_once_and_complete():
 
 @pytest.mark.parametrize("path", sorted((PACKAGE / "_math").glob("*.py")) + [PACKAGE / "_backend" / "neutral.py"],
                          ids=lambda p: p.name)
+@pytest.mark.backend_neutral
 def test_neutral_math_imports_no_backend_and_asks_for_none(path):
     imported = set(_imports(path))
     assert not {name for name in imported if name.split(".")[0] in BACKEND_FRAMEWORKS}
@@ -58,6 +59,7 @@ def test_neutral_math_imports_no_backend_and_asks_for_none(path):
     assert "backend()" not in path.read_text()
 
 
+@pytest.mark.backend_neutral
 def test_dependencies_point_down():
     """No module imports one above it: optimizers -> _backend -> neutral -> _math; no cycles."""
     graph = {}

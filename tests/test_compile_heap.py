@@ -16,6 +16,7 @@ BACKEND = keras.backend.backend()
 WORKER = pathlib.Path(__file__).with_name("_compile_heap_worker.py")
 
 pytestmark = [
+    pytest.mark.processes,
     pytest.mark.skipif(BACKEND != "jax", reason="only XLA compilations under JAX are followed by the release: TF "
                                                 "keeps its compiled clusters, torch runs eagerly"),
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="malloc_trim is glibc's (Linux)"),

@@ -6,6 +6,9 @@ import subprocess
 import sys
 
 import keras
+import pytest
+
+pytestmark = pytest.mark.processes  # it starts other processes
 
 
 def test_quick_demo_trains_prints_summary_and_writes_figure(tmp_path):

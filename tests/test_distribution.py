@@ -2,15 +2,8 @@
 
 JAX: `keras.distribution` on 8 virtual CPU devices (dev/test.sh sets
 XLA_FLAGS=--xla_force_host_platform_device_count=8). TF: MirroredStrategy over
-2 logical CPU devices, in a subprocess because logical devices must be set
-before TensorFlow initialises.
+the 2 logical CPU devices tests/conftest.py sets before TensorFlow initialises.
 """
-
-import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import keras
 import numpy as np
@@ -187,48 +180,24 @@ def test_jax_data_parallel_matches_single_device(name):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-_MIRRORED_SCRIPT = textwrap.dedent(
-    """
-    import json, sys
-    import numpy as np
+def test_tf_mirrored_strategy_matches_single_device():
+    """MirroredStrategy over two logical CPU devices (tests/conftest.py) against the default strategy."""
+    if BACKEND != "tensorflow":
+        pytest.skip(f"tf.distribute.MirroredStrategy needs the TensorFlow backend; this run is {BACKEND}")
     import tensorflow as tf
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-    import keras
-    import keras_tpu_optim as kto
-    from test_distribution import _model, _data, OPTIMIZERS, STEPS
+    from _mirrored import mirrored_strategy
 
     def train(name, strategy):
+        keras.backend.clear_session()
         with strategy.scope():
             model = _model()
             model.compile(optimizer=OPTIMIZERS[name](), loss="mse")
         ids, targets = _data()
         model.fit(ids, targets, batch_size=16, epochs=1, steps_per_epoch=STEPS, verbose=0, shuffle=False)
-        return [keras.ops.convert_to_numpy(v).tolist() for v in model.trainable_variables]
+        return _weights(model)
 
-    out = {}
     for name in sorted(OPTIMIZERS):
-        mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-        out[name] = {"mirrored": train(name, mirrored), "single": train(name, tf.distribute.get_strategy())}
-    print("RESULT" + json.dumps(out))
-    """
-)
-
-
-def test_tf_mirrored_strategy_matches_single_device():
-    if BACKEND != "tensorflow":
-        pytest.skip(f"tf.distribute.MirroredStrategy needs the TensorFlow backend; this run is {BACKEND}")
-    tests = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, KERAS_BACKEND="tensorflow", PYTHONPATH=os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run(
-        [sys.executable, "-c", _MIRRORED_SCRIPT],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.split("RESULT", 1)[1])
-    for name, runs in result.items():
-        for got, want in zip(runs["mirrored"], runs["single"]):
-            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5, err_msg=name)
+        mirrored = train(name, mirrored_strategy())
+        single = train(name, tf.distribute.get_strategy())
+        for got, want in zip(mirrored, single):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)

@@ -561,6 +561,7 @@ def test_global_clipnorm():
         assert_matches_reference(optimizer, other, other_ref)
 
 
+@pytest.mark.backend_neutral
 def test_clipnorm_reference_is_active():
     # Guard for the two tests above: the norms used really exceed the thresholds.
     ids = STEP_IDS[0]
@@ -845,7 +846,9 @@ def test_jax_touched_row_bitmap_lists_rows_in_order(num_rows):
     edges = np.zeros(num_rows, bool)
     edges[[i for i in (0, 30, 31, 32, 63, 64, num_rows - 1) if i < num_rows]] = True
     masks.append(edges)
-    for capacity in (1, 3, 32, 40):
+    clear = jax.jit(sparse_jax.clear_through)
+    # A capacity of 1 lists a row a round: on the small tables only (a full 1000-row mask is 1000 rounds).
+    for capacity in (1, 3, 32, 40) if num_rows <= 64 else (3, 32, 40):
         first = jax.jit(lambda words: sparse_jax.first_set_bits(words, capacity, num_rows))
         for mask in masks:
             expected = np.flatnonzero(mask)
@@ -857,7 +860,7 @@ def test_jax_touched_row_bitmap_lists_rows_in_order(num_rows):
                 listed.extend(ids[ids < num_rows])
                 # Padding only after the real ids, and only in the last round.
                 np.testing.assert_array_equal(ids[ids < num_rows], ids[: np.sum(ids < num_rows)])
-                words = sparse_jax.clear_through(words, jnp.asarray(ids[capacity - 1], jnp.int32))
+                words = clear(words, jnp.asarray(ids[capacity - 1], jnp.int32))
             np.testing.assert_array_equal(listed, expected)
             assert int(jnp.sum(words)) == 0
 
@@ -917,6 +920,7 @@ def test_slot_shapes_and_dtypes(second_moment, bias_correction, rank):
         assert size == (ROWS * DIM + ROWS if second_moment == "rowwise" else 2 * ROWS * DIM)
 
 
+@pytest.mark.backend_neutral
 def test_new_options_references_discriminate():
     """Guards: per-row correction and a rowwise v change the numbers of a lazy run (the tests above test something)."""
     def final(**options):

@@ -19,28 +19,29 @@ import keras
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.processes  # it starts other processes
+
 SCRIPT = pathlib.Path(__file__).with_name("_cross_backend_recommender.py")
 BACKENDS = ("tensorflow", "jax", "torch")
 VOCABULARY, DIM, IDS_PER_EXAMPLE, EXAMPLES = 40, 6, 4, 64
+
+
+CASES = {
+    "defaults": {},
+    "rowwise_per_row": {"second_moment": "rowwise", "bias_correction": "per_row"},
+    # The lazy EMA, installed in the weights every 3 steps and at the end of fit.
+    "ema_overwrite": {"use_ema": True, "ema_overwrite_frequency": 3},
+    # Row accumulation (TF IndexedSlices, torch sparse) against Keras's dense form (JAX).
+    "accumulation_ema": {"gradient_accumulation_steps": 2, "use_ema": True},
+}
 
 
 @pytest.mark.skipif(
     keras.backend.backend() != "jax",
     reason="runs once per suite, from the JAX session: it starts a TensorFlow, a JAX and a torch subprocess itself",
 )
-@pytest.mark.parametrize(
-    "options",
-    [
-        {},
-        {"second_moment": "rowwise", "bias_correction": "per_row"},
-        # The lazy EMA, installed in the weights every 3 steps and at the end of fit.
-        {"use_ema": True, "ema_overwrite_frequency": 3},
-        # Row accumulation (TF IndexedSlices, torch sparse) against Keras's dense form (JAX).
-        {"gradient_accumulation_steps": 2, "use_ema": True},
-    ],
-    ids=["defaults", "rowwise_per_row", "ema_overwrite", "accumulation_ema"],
-)
-def test_same_recommender_same_weights_on_tensorflow_jax_and_torch(options, tmp_path):
+def test_same_recommender_same_weights_on_tensorflow_jax_and_torch(tmp_path):
+    """Every case trains in one process per backend (the three side by side)."""
     rng = np.random.default_rng(7)
     initial = {
         "embedding": rng.uniform(-0.1, 0.1, (VOCABULARY, DIM)).astype(np.float32),
@@ -59,25 +60,31 @@ def test_same_recommender_same_weights_on_tensorflow_jax_and_torch(options, tmp_
         env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo_root), env.get("PYTHONPATH")]))
         processes[backend] = subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(input_path), str(tmp_path / f"{backend}.npz"), json.dumps(options)],
+            [sys.executable, str(SCRIPT), str(input_path), str(tmp_path / backend), json.dumps(CASES)],
             env=env, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
-    results = {}
-    for backend, process in processes.items():
-        output, _ = process.communicate(timeout=300)
-        assert process.returncode == 0, f"{backend} run failed:\n{output[-4000:]}"
-        results[backend] = dict(np.load(tmp_path / f"{backend}.npz"))
+    try:
+        for backend, process in processes.items():
+            output, _ = process.communicate(timeout=400)
+            assert process.returncode == 0, f"{backend} run failed:\n{output[-4000:]}"
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.kill()
 
-    for backend, result in results.items():
-        assert int(result["iterations"]) == 3 * EXAMPLES // 16 // options.get("gradient_accumulation_steps", 1), backend
-        # Training really moved the looked-up rows and the dense layer...
-        assert (np.abs(result["embedding"][:30] - initial["embedding"][:30]).max(axis=1) > 1e-4).all(), backend
-        assert not np.allclose(result["kernel"], initial["kernel"]), backend
-        # ...and left the never-looked-up rows bit for bit.
-        np.testing.assert_array_equal(result["embedding"][30:], initial["embedding"][30:], err_msg=backend)
-    for backend in ("tensorflow", "torch"):
-        for name in ("embedding", "kernel", "bias"):
-            np.testing.assert_allclose(
-                results[backend][name], results["jax"][name], rtol=0, atol=1e-5,
-                err_msg=f"{name}: {backend} vs jax",
-            )
+    for case, options in CASES.items():
+        results = {backend: dict(np.load(tmp_path / f"{backend}_{case}.npz")) for backend in BACKENDS}
+        for backend, result in results.items():
+            where = f"{case}, {backend}"
+            assert int(result["iterations"]) == 3 * EXAMPLES // 16 // options.get("gradient_accumulation_steps", 1), where
+            # Training really moved the looked-up rows and the dense layer...
+            assert (np.abs(result["embedding"][:30] - initial["embedding"][:30]).max(axis=1) > 1e-4).all(), where
+            assert not np.allclose(result["kernel"], initial["kernel"]), where
+            # ...and left the never-looked-up rows bit for bit.
+            np.testing.assert_array_equal(result["embedding"][30:], initial["embedding"][30:], err_msg=where)
+        for backend in ("tensorflow", "torch"):
+            for name in ("embedding", "kernel", "bias"):
+                np.testing.assert_allclose(
+                    results[backend][name], results["jax"][name], rtol=0, atol=1e-5,
+                    err_msg=f"{case}: {name}: {backend} vs jax",
+                )

@@ -483,6 +483,7 @@ def _generate():
 _LOADED = _generate()
 
 
+@pytest.mark.backend_neutral
 def test_every_keras_optimizer_test_is_classified():
     """A Keras upgrade that adds, renames or removes one of these tests must be looked at."""
     found = {

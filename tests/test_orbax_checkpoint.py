@@ -135,6 +135,7 @@ print("RESTORED", len(got))
 
 
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="placement on devices is JAX's: TF and torch checkpoints hold plain arrays")
+@pytest.mark.processes
 def test_a_checkpoint_of_8_sharded_devices_restores_on_one_device(tmp_path):
     """Keras's `load_weights` without a distribution asks Orbax for the saved placements,
     which name 8 devices; `load_checkpoint` places every array as this model's variables."""

@@ -119,6 +119,7 @@ def _data(model, n=8):
 
 
 @pytest.mark.parametrize("filename", NAMES)
+@pytest.mark.backend_neutral
 def test_file_is_what_the_generator_wrote(filename):
     """The fixture itself (read without the package): 0.1.0's layout and signature."""
     expected = FILES[filename]

@@ -16,7 +16,6 @@ variable.
 
 from __future__ import annotations
 
-import functools
 
 import keras
 import ml_dtypes
@@ -32,6 +31,7 @@ if BACKEND != "tensorflow":
 import tensorflow as tf  # noqa: E402
 
 import keras_tpu_optim as kto  # noqa: E402
+from _mirrored import mirrored_strategy  # noqa: E402
 from reference.numpy_adafactor import NumpyAdafactor  # noqa: E402
 from reference.numpy_embedding_adam import KerasAccumulation, NumpyEmbeddingAdam  # noqa: E402
 
@@ -45,22 +45,21 @@ UNKNOWN = {
 MODES = ["function", "xla", "mirrored"]
 
 
+def combinations(cases):
+    """Every case on every path with every dimension unknown; the other kinds of unknown with the first case."""
+    first = cases[0]
+    return [(case, mode, "every_dim") for case in cases for mode in MODES] + [
+        (first, mode, unknown) for mode in MODES for unknown in UNKNOWN if unknown != "every_dim"
+    ]
+
+
 def _strategy(mode, options):
     if mode != "mirrored":
         return tf.distribute.get_strategy()
     if options.get("gradient_accumulation_steps"):
         pytest.skip("Keras applies accumulated gradients in an ops.cond, where a tf.distribute strategy cannot "
                     "all-reduce them (any optimizer; the README says so)")
-    if len(tf.config.list_logical_devices("CPU")) < 2:
-        pytest.skip("needs two logical CPU devices (tests/conftest.py splits the CPU in the TensorFlow pass)")
-    return _mirrored()
-
-
-@functools.cache
-def _mirrored():
-    # One strategy for the module: strategies made one after another in a process number their
-    # collectives alike, and a bfloat16 all-reduce then meets a float32 one's cached parameters.
-    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    return mirrored_strategy()
 
 
 def _replicas(mode):
@@ -96,9 +95,7 @@ ADAFACTOR_CASES = {
 }
 
 
-@pytest.mark.parametrize("unknown", list(UNKNOWN))
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", list(ADAFACTOR_CASES))
+@pytest.mark.parametrize("case, mode, unknown", combinations(list(ADAFACTOR_CASES)))
 def test_adafactor_with_unknown_gradient_shapes_matches_numpy(case, mode, unknown):
     options, dtype = ADAFACTOR_CASES[case]
     accumulation = options.get("gradient_accumulation_steps", 1)
@@ -155,10 +152,8 @@ def _embedding_reference_options(options):
     return reference
 
 
-@pytest.mark.parametrize("unknown", list(UNKNOWN))
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind", ["dense", "indexed_slices"])
-@pytest.mark.parametrize("case", list(EMBEDDING_CASES))
+@pytest.mark.parametrize("case, mode, unknown", combinations(list(EMBEDDING_CASES)))
 def test_embedding_adam_with_unknown_gradient_shapes_matches_numpy(case, kind, mode, unknown):
     options = EMBEDDING_CASES[case]
     if kind == "dense" and not options.get("use_gradient_accumulation", True):
