@@ -171,9 +171,14 @@ def _jax_step_temp_mb(model, x, y):
     return compiled.memory_analysis().temp_size_in_bytes / 2**20
 
 
-def worker(name: str, quick: bool, steps: int, warmup: int) -> dict:
+def worker(name: str, quick: bool, steps: int, warmup: int, release_compile_heap: bool = False) -> dict:
     import keras
     import numpy as np
+
+    if release_compile_heap and keras.backend.backend() == "jax":
+        import keras_tpu_optim as kto
+
+        kto.tuning.release_compile_heap()  # in every optimizer's process alike, SGD's included
 
     if name in (OURS_BF16, OURS_BF16_SR):
         keras.config.set_dtype_policy("bfloat16")
@@ -249,7 +254,8 @@ def run_worker(backend, name, args) -> dict:
     if args.in_process:
         return _run_in_process(backend, name, steps, args)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--steps", str(steps),
-           "--warmup", str(args.warmup)] + (["--quick"] if args.quick else [])
+           "--warmup", str(args.warmup)] + (["--quick"] if args.quick else []) + (
+               ["--release-compile-heap"] if args.release_compile_heap else [])
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
@@ -368,6 +374,9 @@ def main(argv=None):
     ap.add_argument("--in-process", action="store_true",
                     help="run every optimizer in this process (smoke tests: one process's memory is shared, "
                          "so its figures are no measurement)")
+    ap.add_argument("--release-compile-heap", action="store_true",
+                    help="JAX: call keras_tpu_optim.tuning.release_compile_heap() in every worker (each optimizer's "
+                         "process alike)")
     ap.add_argument("--json", default=None, help="write the results as JSON to this path")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -375,7 +384,8 @@ def main(argv=None):
     args.bf16_steps = args.bf16_steps if args.bf16_steps is not None else (args.steps if args.quick else 24)
 
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args.quick, args.steps, args.warmup), default=float), flush=True)
+        print("RESULT " + json.dumps(worker(args.worker, args.quick, args.steps, args.warmup,
+                                             args.release_compile_heap), default=float), flush=True)
         return 0
 
     if args.backends:

@@ -85,7 +85,6 @@ class OptimizerBase(keras.optimizers.Optimizer):
         super().build(var_list)
         _slots.record_keras_roles(self)
         self._platforms = [self._backend.platform_of(v) for v in var_list]
-        self._backend.prepare_platforms(set(self._platforms))
         self._states = [
             None if _private.overwritten_with_gradient(self, v) else self.make_state(v) for v in var_list
         ]

@@ -260,14 +260,12 @@ class EmbeddingAdam(OptimizerBase):
         axes = self._kept_axes(variable, name)
         return tuple(variable.shape) if axes is None else tuple(variable.shape[i] for i in axes)
 
-    def build(self, var_list):
-        if self.built:
-            return
-        super().build(var_list)
-        if self.lazy_adam:
-            # Random rows of the tables and of their row slots: the backend may lay them out for that.
-            tables = [v for v, state in zip(var_list, self._states) if state is not None]
-            self._backend.prepare_row_tables(tables, [slot for v in tables for slot in self.row_slots(v)])
+    def _row_tables(self):
+        """The lazily updated tables and their row slots (nothing when `lazy_adam=False`)."""
+        if not self.lazy_adam:
+            return [], []
+        tables = [v for v, state in zip(self._trainable_variables, self._states) if state is not None]
+        return tables, [slot for v in tables for slot in self.row_slots(v)]
 
     @property
     def plans_slots(self) -> bool:

@@ -1,4 +1,4 @@
-"""Huge pages for EmbeddingAdam's tables on JAX's CPU: advised at `build`, contents and numbers unchanged.
+"""Huge pages for EmbeddingAdam's tables on JAX's CPU, when asked for: contents and numbers unchanged.
 
 Checked through the kernel's own record (`/proc/self/smaps`: `hg` in a
 mapping's VmFlags is `MADV_HUGEPAGE`), not through the code under test.
@@ -61,35 +61,40 @@ def test_huge_page_range_keeps_whole_pages_inside_the_buffer():
     assert huge_page_range(0, 2 * mib - 1) is None
 
 
-def test_build_advises_the_table_and_its_row_slots():
+def test_asked_for_it_advises_the_table_and_its_row_slots():
     table = keras.Variable(np.ones((ROWS, DIM), "float32"), name="table")
     small = keras.Variable(np.ones((1000, DIM), "float32"), name="small")
     optimizer = kto.EmbeddingAdam()
     optimizer.build([table, small])
     slots = [v for v in optimizer.variables if tuple(v.shape) == (ROWS, DIM)]
     assert len(slots) == 2  # momenta, velocities
+    assert kto.tuning.advise_huge_pages(optimizer) >= 3 * (ROWS * DIM * 4 - (4 << 20))  # whole 2 MiB pages
     for variable in [table, *slots]:
         assert advised(variable), variable.path
-    from keras_tpu_optim._backend.jax import huge_pages
+    assert kto.tuning.advise_huge_pages([small]) == 0  # below the threshold
+    assert kto.tuning.advise_huge_pages([small], min_bytes=0) > 0 or small.value.nbytes < (4 << 20)
 
-    assert huge_pages.advise_tables([small]) == 0  # below the threshold
 
-
-def test_not_advised_when_turned_off_or_not_lazy(monkeypatch):
-    """No madvise call at all. (A mapping's flags cannot show it: in a long process a new buffer may
-    reuse memory an earlier test advised.)"""
+def test_what_is_advised_and_collapsed(monkeypatch):
+    """Tables are collapsed as well as advised, their (fresh) slots only advised; nothing when not lazy or too
+    small. (A mapping's flags cannot show this: in a long process a new buffer may reuse memory an earlier test
+    advised.)"""
     from keras_tpu_optim._backend.jax import huge_pages
 
     calls = []
-    monkeypatch.setattr(huge_pages, "_madvise", lambda: lambda *args: calls.append(args) or 0)
-    monkeypatch.setenv("KERAS_TPU_OPTIM_HUGE_PAGES", "0")
-    kto.EmbeddingAdam().build([keras.Variable(np.full((ROWS, DIM), 2.0, "float32"), name="table")])
-    assert calls == []
-    monkeypatch.delenv("KERAS_TPU_OPTIM_HUGE_PAGES")
-    kto.EmbeddingAdam(lazy_adam=False).build([keras.Variable(np.full((ROWS, DIM), 3.0, "float32"), name="dense")])
-    assert calls == []
-    kto.EmbeddingAdam().build([keras.Variable(np.full((ROWS, DIM), 4.0, "float32"), name="lazy")])
-    assert len(calls) == 3 + 1  # the table, its two slots; the table collapsed as well
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: lambda *args: calls.append(args[2]) or 0)
+    dense = kto.EmbeddingAdam(lazy_adam=False)
+    dense.build([keras.Variable(np.full((ROWS, DIM), 3.0, "float32"), name="dense")])
+    assert kto.tuning.advise_huge_pages(dense) == 0 and calls == []
+    lazy = kto.EmbeddingAdam()
+    lazy.build([keras.Variable(np.full((ROWS, DIM), 4.0, "float32"), name="lazy")])
+    assert calls == []  # build alone advises nothing
+    kto.tuning.advise_huge_pages(lazy)
+    assert sorted(calls) == sorted([huge_pages._MADV_HUGEPAGE] * 3 + [huge_pages._MADV_COLLAPSE])
+    with pytest.raises(ValueError, match="build the optimizer first"):
+        kto.tuning.advise_huge_pages(kto.EmbeddingAdam())
+    with pytest.raises(ValueError, match="min_bytes"):
+        kto.tuning.advise_huge_pages(lazy, min_bytes=-1)
 
 
 def test_advised_tables_keep_the_numbers_under_jit_with_donation():
@@ -102,6 +107,7 @@ def test_advised_tables_keep_the_numbers_under_jit_with_donation():
     table = keras.Variable(init, name="table")
     optimizer = kto.EmbeddingAdam(learning_rate=0.01)
     optimizer.build([table])
+    kto.tuning.advise_huge_pages(optimizer)
     assert advised(table)
     reference = NumpyEmbeddingAdam(init, learning_rate=0.01)
 

@@ -27,16 +27,9 @@ functions; the optimizers call them and never ask which backend runs:
   (`optimizer.accumulates_rows`); eager JAX runs only the branch taken.
 - `adafactor_reductions(platform)`: the reductions Adafactor's math uses on
   that platform (see `_math.adafactor.Reductions`).
-- `prepare_platforms(platforms)`: called at every `build` with the platforms
-  of the optimizer's variables, for process-level settings a platform needs
-  (JAX on CPU: XLA's freed compile heap returned to the OS after each large
-  compilation); values never change.
 - `state_creation_scope()`: the context `build` creates the optimizer's state
   in (TF: out of a function being traced, so that each variable is created
   and initialised once, eagerly, not as a traced initializer function).
-- `prepare_row_tables(tables, slots)`: called once at `build` with EmbeddingAdam's
-  lazily updated tables and their row slots, for what speeds up random row
-  access on a platform (huge pages on CPU under JAX); contents never change.
 
 Kernels measured on one platform are chosen by platform (a variable's, from
 `platform_of`), and the neutral `keras.ops` form runs everywhere else
@@ -68,8 +61,6 @@ INTERFACE = (
     "apply_gradients",
     "cond",
     "adafactor_reductions",
-    "prepare_platforms",
-    "prepare_row_tables",
     "state_creation_scope",
 )
 

@@ -43,17 +43,9 @@ def checked_gradient(gradient, variable, mismatch):
     return gradient
 
 
-def prepare_platforms(platforms):
-    """Nothing: no process-level setting was measured to help here."""
-
-
 def state_creation_scope():
     """Where an optimizer's `build` creates its state: the current scope (nothing to escape)."""
     return contextlib.nullcontext()
-
-
-def prepare_row_tables(tables, slots):
-    """Nothing: no platform measured a faster memory layout for random rows here."""
 
 
 def adafactor_step(optimizer, gradient, variable, learning_rate, reductions=adafactor_math.NEUTRAL):

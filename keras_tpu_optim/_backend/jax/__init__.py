@@ -10,7 +10,7 @@ from jax.experimental import sparse as jax_sparse
 
 from keras_tpu_optim import _private
 from keras_tpu_optim._backend import neutral
-from keras_tpu_optim._backend.jax import compile_heap, huge_pages, rows
+from keras_tpu_optim._backend.jax import rows
 from keras_tpu_optim._math import adafactor as adafactor_math
 from keras_tpu_optim._math import embedding_adam as adam_math
 from keras_tpu_optim._backend.jax.adafactor import adafactor_reductions
@@ -74,18 +74,6 @@ def apply_if(condition, apply, state):
 
 state_creation_scope = neutral.state_creation_scope
 checked_gradient = neutral.checked_gradient
-
-
-def prepare_platforms(platforms):
-    """On CPU, XLA's freed compile heap goes back to the OS before the compiled step runs (see `compile_heap`)."""
-    if "cpu" in platforms:
-        compile_heap.release_after_compilations()
-
-
-def prepare_row_tables(tables, slots):
-    """Huge pages for the tables' and slots' CPU buffers (see `huge_pages`): random rows cost fewer TLB misses."""
-    huge_pages.advise_tables(tables, collapse=True)
-    huge_pages.advise_tables(slots)
 
 
 def adafactor_step(optimizer, gradient, variable, learning_rate):

@@ -16,13 +16,13 @@ donated (Keras's trainer) each step's new table reuses the advised buffer. A
 table assigned anew after `build` (loading weights) is not advised: its steps
 stay correct, at 4 KiB-page speed.
 
-`KERAS_TPU_OPTIM_HUGE_PAGES=0` in the environment turns the advice off.
+Opt-in only, through `keras_tpu_optim.tuning.advise_huge_pages`: the advice
+stays on the address range, which XLA may later reuse for other arrays.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 
 import jax
@@ -34,8 +34,8 @@ _HUGE_PAGE = 2 << 20
 MIN_BYTES = 16 << 20
 
 
-def enabled() -> bool:
-    return sys.platform.startswith("linux") and os.environ.get("KERAS_TPU_OPTIM_HUGE_PAGES", "1") != "0"
+def supported() -> bool:
+    return sys.platform.startswith("linux")
 
 
 def _madvise():
@@ -73,13 +73,13 @@ def advise_tables(variables, collapse: bool = False, min_bytes: int = MIN_BYTES)
     """Advise huge pages for the CPU buffers of `variables` of at least `min_bytes`; returns the bytes advised.
 
     `collapse`: also convert the pages already there (for written buffers,
-    such as an initialized table), now: a copy of them, about 2 s per GB on
-    this project's loaded 2-core machine (in a background thread, the
-    kernel's memory-map lock would stall the process's allocations instead).
+    such as an initialized table), now: the kernel copies them, in this
+    thread (in a background thread, the kernel's memory-map lock would stall
+    the process's allocations instead).
     A freshly zeroed slot has no pages yet, and gets huge ones as it is first
     written.
     """
-    if not enabled():
+    if not supported():
         return 0
     madvise = None
     advised = 0

@@ -15,8 +15,6 @@ from keras_tpu_optim._backend.tensorflow.adafactor import adafactor_reductions, 
 
 cond = neutral.cond
 apply_if = neutral.apply_if  # tf.cond runs only the branch taken: sparse updates stay sparse.
-prepare_platforms = neutral.prepare_platforms
-prepare_row_tables = neutral.prepare_row_tables
 
 
 def state_creation_scope():

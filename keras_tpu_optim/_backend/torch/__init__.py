@@ -15,8 +15,6 @@ from keras_tpu_optim._math import adafactor as adafactor_math
 
 cond = neutral.cond
 apply_if = neutral.apply_if  # Eager: a Python branch.
-prepare_platforms = neutral.prepare_platforms
-prepare_row_tables = neutral.prepare_row_tables
 state_creation_scope = neutral.state_creation_scope
 checked_gradient = neutral.checked_gradient
 
