@@ -24,7 +24,7 @@ REPS = int(os.environ.get("REPS", 40))
 
 class KerasDense(kto.EmbeddingAdam):
     @property
-    def accumulates_rows(self):
+    def _accumulates_rows(self):
         return False
 
 

@@ -21,7 +21,7 @@ class VariableState(NamedTuple):
     slots: tuple
     momentum: Optional[keras.Variable] = None
     # EmbeddingAdam under `gradient_accumulation_steps`: per row, the update whose window last
-    # touched it (int32, `(rows,)`); see `EmbeddingAdam.accumulates_rows`.
+    # touched it (int32, `(rows,)`); see `EmbeddingAdam._accumulates_rows`.
     window: Optional[keras.Variable] = None
 
 
@@ -62,7 +62,7 @@ class OptimizerBase(keras.optimizers.Optimizer):
     # ---------------------------------------------------------------- build
 
     def build(self, var_list):
-        """Check the variables, build Keras's state, then each variable's (`make_state`)."""
+        """Check the variables, build Keras's state, then each variable's (`_make_state`)."""
         if self.built:
             return
         for variable in var_list:
@@ -76,33 +76,33 @@ class OptimizerBase(keras.optimizers.Optimizer):
             self._build_state(var_list)
 
     def _build_state(self, var_list):
-        if self.plans_slots:
+        if self._plans_slots:
             with _slots.planning(self) as planned:
                 for variable in var_list:
                     if not _private.overwritten_with_gradient(self, variable):
-                        self.make_state(variable)
+                        self._make_state(variable)
             _checks.check_slot_layouts(type(self), planned)
         super().build(var_list)
         _slots.record_keras_roles(self)
         self._platforms = [self._backend.platform_of(v) for v in var_list]
         self._states = [
-            None if _private.overwritten_with_gradient(self, v) else self.make_state(v) for v in var_list
+            None if _private.overwritten_with_gradient(self, v) else self._make_state(v) for v in var_list
         ]
 
     @property
-    def plans_slots(self) -> bool:
-        """Whether `make_state` can run in `_slots.planning` (only `_slots.add_slot` creates state),
+    def _plans_slots(self) -> bool:
+        """Whether `_make_state` can run in `_slots.planning` (only `_slots.add_slot` creates state),
         so `build` checks the slots' layouts before creating anything."""
         return True
 
-    def make_state(self, variable) -> VariableState:
+    def _make_state(self, variable) -> VariableState:
         """Create the optimizer's state for one model variable (subclasses)."""
         raise NotImplementedError
 
-    def state_of(self, variable) -> VariableState:
+    def _state_of(self, variable) -> VariableState:
         return self._states[_private.variable_index(self, variable)]
 
-    def platform_of(self, variable) -> str:
+    def _platform_of(self, variable) -> str:
         """Where `variable` lives (`"cpu"`, `"gpu"`, `"tpu"`, ...), which picks its kernels."""
         return self._platforms[_private.variable_index(self, variable)]
 
@@ -156,7 +156,7 @@ class OptimizerBase(keras.optimizers.Optimizer):
         return None
 
     @property
-    def accumulates_rows(self) -> bool:
+    def _accumulates_rows(self) -> bool:
         """Whether `gradient_accumulation_steps` accumulates the rows of sparse gradients in place (subclasses)."""
         return False
 
@@ -234,12 +234,12 @@ class OptimizerBase(keras.optimizers.Optimizer):
         """Bring every stored EMA up to date (subclasses that update it lazily); a no-op here."""
         return
 
-    def optional_state_roles(self) -> frozenset:
-        """Roles of state a saved state may lack and `fill_missing_state` can derive (subclasses)."""
+    def _optional_state_roles(self) -> frozenset:
+        """Roles of state a saved state may lack and `_fill_missing_state` can derive (subclasses)."""
         return frozenset()
 
-    def fill_missing_state(self, variables) -> None:
-        """Set state variables a loaded state lacked (their roles are in `optional_state_roles`)."""
+    def _fill_missing_state(self, variables) -> None:
+        """Set state variables a loaded state lacked (their roles are in `_optional_state_roles`)."""
         raise NotImplementedError
 
     def save_own_variables(self, store):
@@ -288,7 +288,7 @@ class OptimizerBase(keras.optimizers.Optimizer):
         missing = [
             i
             for i, entry in enumerate(current["variables"])
-            if entry["role"] in self.optional_state_roles() and entry["role"] not in saved_roles
+            if entry["role"] in self._optional_state_roles() and entry["role"] not in saved_roles
         ]
         kept = [i for i in range(len(current["variables"])) if i not in missing]
         matched = dict(current, variables=[current["variables"][i] for i in kept])
@@ -309,5 +309,5 @@ class OptimizerBase(keras.optimizers.Optimizer):
         for saved_position, current_position in pairs:
             variables[kept[current_position]].assign(store[str(saved_position)])
         if missing:
-            self.fill_missing_state([variables[i] for i in missing])
+            self._fill_missing_state([variables[i] for i in missing])
 

@@ -11,6 +11,8 @@ from keras_tpu_optim._base import OptimizerBase, VariableState
 from keras_tpu_optim._math.adafactor import AdafactorOptions
 
 _OPTION_NAMES = frozenset(field.name for field in dataclasses.fields(AdafactorOptions))
+# What decides the optimizer's state (which slots, of which shapes, dtypes): fixed once it is built.
+_STATE_DEFINING = frozenset(["factored_dims", "min_dim_size_to_factor", "momentum_dtype"])
 
 
 @keras.saving.register_keras_serializable(package="keras_tpu_optim")
@@ -100,7 +102,20 @@ class Adafactor(OptimizerBase):
             on every backend, nothing to save but the seed. Defaults to
             `False` (round to nearest).
         seed: int in [0, 2^31), the seed of stochastic rounding. Defaults to `0`.
+        skip_nonfinite_updates: bool. If True, a step whose gradients hold a
+            NaN or an Inf changes nothing (variables, slots, EMA, accumulators,
+            `iterations`). Defaults to `False` (a non-finite gradient
+            propagates, as with Keras's optimizers).
         {{base_optimizer_keyword_args}}
+
+    Every argument is also an attribute; setting one after construction is
+    checked as the constructor checks it and takes effect at the next step (a
+    traced train step keeps the values it was traced with, as with Keras's
+    optimizers). `factored_dims`, `min_dim_size_to_factor`, `momentum_dtype`
+    and whether `beta_1` is None decide the optimizer's state and cannot
+    change once it is built (a `ValueError`). `catch_up_moving_averages()` is
+    a no-op here (the EMA is never lazy), kept for code that handles both
+    optimizers.
 
     Reference:
         - [Shazeer and Stern, 2018](https://arxiv.org/abs/1804.04235)
@@ -132,6 +147,7 @@ class Adafactor(OptimizerBase):
         ema_overwrite_frequency=None,
         loss_scale_factor=None,
         gradient_accumulation_steps=None,
+        skip_nonfinite_updates=False,
         name=None,
         **kwargs,
     ):
@@ -163,28 +179,46 @@ class Adafactor(OptimizerBase):
             ema_overwrite_frequency=ema_overwrite_frequency,
             loss_scale_factor=loss_scale_factor,
             gradient_accumulation_steps=gradient_accumulation_steps,
+            skip_nonfinite_updates=skip_nonfinite_updates,
             **kwargs,
         )
-        self.options = options
+        self._options = options
 
     def __getattr__(self, name):
         # Each option reads as an attribute (`optimizer.beta_1`), as on Keras's optimizers.
         if name in _OPTION_NAMES:
-            return getattr(self.__dict__.get("options", AdafactorOptions()), name)
+            return getattr(self.__dict__.get("_options", AdafactorOptions()), name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    def is_factored(self, shape) -> bool:
-        """Whether a variable of this shape keeps row/column statistics only."""
-        return self.options.is_factored(shape)
+    def __setattr__(self, name, value):
+        if name in _OPTION_NAMES:
+            options = self.__dict__["_options"]
+            current = getattr(options, name)
+            state_defining = name in _STATE_DEFINING or (name == "beta_1" and (value is None) != (current is None))
+            if state_defining and self.built and value != current:
+                raise ValueError(
+                    f"Adafactor.{name} decides the optimizer's state (its slots), which is built: set it before "
+                    f"the first step, or use a new optimizer. Received: {name}={value!r}"
+                )
+            super().__setattr__("_options", dataclasses.replace(options, **{name: value}))  # checked again
+            return
+        super().__setattr__(name, value)
 
-    def make_state(self, variable) -> VariableState:
+    def __dir__(self):
+        return sorted(set(super().__dir__()) | _OPTION_NAMES)
+
+    def _is_factored(self, shape) -> bool:
+        """Whether a variable of this shape keeps row/column statistics only."""
+        return self._options.is_factored(shape)
+
+    def _make_state(self, variable) -> VariableState:
         """Row and column statistics (factored) or a full `v` (unfactored), and the momentum if `beta_1`.
 
         A variable factored over axes `(a, b)` (`options.factored_axes`) keeps
         row statistics without axis `b` and column statistics without axis `a`.
         """
         rank = len(variable.shape)
-        axes = self.options.factored_axes(variable.shape)
+        axes = self._options.factored_axes(variable.shape)
         if axes is not None:
             a, b = axes
             slots = (
@@ -194,8 +228,8 @@ class Adafactor(OptimizerBase):
         else:
             slots = (_slots.add_slot(self, variable, "second_moment"),)
         momentum = None
-        if self.options.beta_1 is not None:
-            momentum = _slots.add_slot(self, variable, "momentum", dtype=self.options.momentum_dtype)
+        if self._options.beta_1 is not None:
+            momentum = _slots.add_slot(self, variable, "momentum", dtype=self._options.momentum_dtype)
         return VariableState(slots, momentum)
 
     def update_step(self, gradient, variable, learning_rate):
@@ -204,7 +238,7 @@ class Adafactor(OptimizerBase):
 
     def get_config(self):
         config = super().get_config()
-        config.update(self.options.to_config())
+        config.update(self._options.to_config())
         return config
 
 

@@ -12,7 +12,7 @@ from keras_tpu_optim._math import embedding_adam as adam_math
 SLOT_NAMES = ("momenta", "velocities")
 SECOND_MOMENTS = ("full", "rowwise")
 BIAS_CORRECTIONS = ("global", "per_row")
-# The role of the per-row slot of the accumulation window (`EmbeddingAdam.accumulates_rows`).
+# The role of the per-row slot of the accumulation window (`EmbeddingAdam._accumulates_rows`).
 WINDOW_ROLE = "accumulation_window"
 
 
@@ -42,6 +42,69 @@ def _normalize_clipvalue(clipvalue):
         return (low, high)
     value = _checks.check_number("clipvalue", clipvalue, low=0, low_open=True)
     return (-value, value)
+
+
+_HYPERPARAMETERS = (
+    "beta_1", "beta_2", "epsilon", "lazy_adam", "sum_inside_sqrt", "use_gradient_accumulation", "clip_weight_min",
+    "clip_weight_max", "weight_decay_factor", "multiply_weight_decay_factor_by_learning_rate",
+    "slot_variable_creation_fn", "clipvalue", "low_dimensional_packing_status", "max_touched_rows", "second_moment",
+    "bias_correction",
+)
+# What decides the optimizer's state (which slots, of which shapes): fixed once it is built.
+_STATE_DEFINING = frozenset(
+    ["lazy_adam", "use_gradient_accumulation", "slot_variable_creation_fn", "second_moment", "bias_correction"]
+)
+
+
+def _check_arguments(
+    *, beta_1, beta_2, epsilon, lazy_adam, sum_inside_sqrt, use_gradient_accumulation, clip_weight_min,
+    clip_weight_max, weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, slot_variable_creation_fn,
+    clipvalue, low_dimensional_packing_status, max_touched_rows, second_moment, bias_correction, weight_decay,
+):
+    """Every argument check of `EmbeddingAdam`, in the constructor and when a hyperparameter is set."""
+    _checks.check_number("beta_1", beta_1, low=0, high=1, high_open=True)
+    _checks.check_number("beta_2", beta_2, low=0, high=1, high_open=True)
+    _checks.check_number("epsilon", epsilon, low=0, low_open=True)
+    for flag in ("lazy_adam", "sum_inside_sqrt", "use_gradient_accumulation", "low_dimensional_packing_status"):
+        _checks.check_bool(flag, locals()[flag])
+    _checks.check_bool(
+        "multiply_weight_decay_factor_by_learning_rate",
+        multiply_weight_decay_factor_by_learning_rate,
+        allow_none=True,
+    )
+    if not use_gradient_accumulation and not lazy_adam:
+        raise ValueError(
+            "When disabling lazy Adam (`lazy_adam=False`), gradient accumulation must be "
+            "used: set `use_gradient_accumulation=True`."
+        )
+    gradient_clip = _normalize_clipvalue(clipvalue)
+    if gradient_clip is not None and not use_gradient_accumulation:
+        raise ValueError(
+            "Argument `clipvalue` requires `use_gradient_accumulation=True` (gradients are "
+            f"clipped after duplicate ids are summed). Received: clipvalue={clipvalue!r}"
+        )
+    _checks.check_number("clip_weight_min", clip_weight_min, allow_none=True)
+    _checks.check_number("clip_weight_max", clip_weight_max, allow_none=True)
+    if clip_weight_min is not None and clip_weight_max is not None and clip_weight_min > clip_weight_max:
+        raise ValueError(
+            "Argument `clip_weight_min` must be <= `clip_weight_max`. Received: "
+            f"clip_weight_min={clip_weight_min}, clip_weight_max={clip_weight_max}"
+        )
+    _checks.check_number("weight_decay_factor", weight_decay_factor, low=0, allow_none=True)
+    if weight_decay is not None and weight_decay_factor is not None:
+        raise ValueError(
+            "Arguments `weight_decay` and `weight_decay_factor` cannot both be set: "
+            "`weight_decay=x` means `weight_decay_factor=x` with "
+            "`multiply_weight_decay_factor_by_learning_rate=True`."
+        )
+    if slot_variable_creation_fn is not None and not callable(slot_variable_creation_fn):
+        raise ValueError(
+            "Argument `slot_variable_creation_fn` must be callable. "
+            f"Received: slot_variable_creation_fn={slot_variable_creation_fn!r}"
+        )
+    _checks.check_int("max_touched_rows", max_touched_rows, low=1, allow_none=True)
+    _check_choice("second_moment", second_moment, SECOND_MOMENTS)
+    _check_choice("bias_correction", bias_correction, BIAS_CORRECTIONS)
 
 
 @keras.saving.register_keras_serializable(package="keras_tpu_optim")
@@ -142,7 +205,18 @@ class EmbeddingAdam(OptimizerBase):
         clipnorm, global_clipnorm, use_ema, ema_momentum, ema_overwrite_frequency,
         loss_scale_factor, gradient_accumulation_steps, name: as for every Keras
             optimizer. With `lazy_adam=True` the EMA is kept lazily, at
-            O(rows touched) a step with Keras's numbers (see `lazy_ema`).
+            O(rows touched) a step with Keras's numbers (call
+            `catch_up_moving_averages()` before reading the averages directly).
+        skip_nonfinite_updates: bool. If True, a step whose gradients hold a
+            NaN or an Inf changes nothing (variables, slots, EMA, accumulators,
+            `iterations`). Defaults to `False` (a non-finite gradient
+            propagates, as with Keras's optimizers).
+
+    Every argument is also an attribute; setting one after construction is
+    checked as the constructor checks it and takes effect at the next step.
+    `lazy_adam`, `use_gradient_accumulation`, `slot_variable_creation_fn`,
+    `second_moment` and `bias_correction` decide the optimizer's state and
+    cannot change once it is built (a `ValueError`).
     """
 
     def __init__(
@@ -172,53 +246,13 @@ class EmbeddingAdam(OptimizerBase):
         ema_overwrite_frequency=None,
         loss_scale_factor=None,
         gradient_accumulation_steps=None,
+        skip_nonfinite_updates=False,
         name=None,
         **kwargs,
     ):
         # Validate everything before the base class creates variables.
-        _checks.check_number("beta_1", beta_1, low=0, high=1, high_open=True)
-        _checks.check_number("beta_2", beta_2, low=0, high=1, high_open=True)
-        _checks.check_number("epsilon", epsilon, low=0, low_open=True)
-        for flag in ("lazy_adam", "sum_inside_sqrt", "use_gradient_accumulation", "low_dimensional_packing_status"):
-            _checks.check_bool(flag, locals()[flag])
-        _checks.check_bool(
-            "multiply_weight_decay_factor_by_learning_rate",
-            multiply_weight_decay_factor_by_learning_rate,
-            allow_none=True,
-        )
-        if not use_gradient_accumulation and not lazy_adam:
-            raise ValueError(
-                "When disabling lazy Adam (`lazy_adam=False`), gradient accumulation must be "
-                "used: set `use_gradient_accumulation=True`."
-            )
-        gradient_clip = _normalize_clipvalue(clipvalue)
-        if gradient_clip is not None and not use_gradient_accumulation:
-            raise ValueError(
-                "Argument `clipvalue` requires `use_gradient_accumulation=True` (gradients are "
-                f"clipped after duplicate ids are summed). Received: clipvalue={clipvalue!r}"
-            )
-        _checks.check_number("clip_weight_min", clip_weight_min, allow_none=True)
-        _checks.check_number("clip_weight_max", clip_weight_max, allow_none=True)
-        if clip_weight_min is not None and clip_weight_max is not None and clip_weight_min > clip_weight_max:
-            raise ValueError(
-                "Argument `clip_weight_min` must be <= `clip_weight_max`. Received: "
-                f"clip_weight_min={clip_weight_min}, clip_weight_max={clip_weight_max}"
-            )
-        _checks.check_number("weight_decay_factor", weight_decay_factor, low=0, allow_none=True)
-        if weight_decay is not None and weight_decay_factor is not None:
-            raise ValueError(
-                "Arguments `weight_decay` and `weight_decay_factor` cannot both be set: "
-                "`weight_decay=x` means `weight_decay_factor=x` with "
-                "`multiply_weight_decay_factor_by_learning_rate=True`."
-            )
-        if slot_variable_creation_fn is not None and not callable(slot_variable_creation_fn):
-            raise ValueError(
-                "Argument `slot_variable_creation_fn` must be callable. "
-                f"Received: slot_variable_creation_fn={slot_variable_creation_fn!r}"
-            )
-        _checks.check_int("max_touched_rows", max_touched_rows, low=1, allow_none=True)
-        _check_choice("second_moment", second_moment, SECOND_MOMENTS)
-        _check_choice("bias_correction", bias_correction, BIAS_CORRECTIONS)
+        _check_arguments(**{name: value for name, value in locals().items() if name in _HYPERPARAMETERS},
+                         weight_decay=weight_decay)
         super().__init__(
             learning_rate=learning_rate,
             name=name,
@@ -231,6 +265,7 @@ class EmbeddingAdam(OptimizerBase):
             ema_overwrite_frequency=ema_overwrite_frequency,
             loss_scale_factor=loss_scale_factor,
             gradient_accumulation_steps=gradient_accumulation_steps,
+            skip_nonfinite_updates=skip_nonfinite_updates,
             **kwargs,
         )
         self.beta_1 = beta_1
@@ -246,11 +281,25 @@ class EmbeddingAdam(OptimizerBase):
         self.slot_variable_creation_fn = slot_variable_creation_fn
         # Keras's attribute, as given; applied per row (`_clip_gradients` leaves it alone).
         self.clipvalue = clipvalue
-        self._gradient_clip = gradient_clip
         self.low_dimensional_packing_status = low_dimensional_packing_status
         self.max_touched_rows = max_touched_rows
         self.second_moment = second_moment
         self.bias_correction = bias_correction
+        self._arguments_checked = True
+
+    def __setattr__(self, name, value):
+        # A hyperparameter set after construction takes effect at the next step (a traced train step keeps the
+        # values it was traced with, as with Keras's optimizers), once checked as the constructor checks it.
+        if name in _HYPERPARAMETERS and self.__dict__.get("_arguments_checked"):
+            if name in _STATE_DEFINING and self.built and value != getattr(self, name):
+                raise ValueError(
+                    f"EmbeddingAdam.{name} decides the optimizer's state (its slots), which is built: set it "
+                    f"before the first step, or use a new optimizer. Received: {name}={value!r}"
+                )
+            arguments = {key: getattr(self, key) for key in _HYPERPARAMETERS}
+            arguments[name] = value
+            _check_arguments(**arguments, weight_decay=getattr(self, "weight_decay", None))
+        super().__setattr__(name, value)
 
     def _kept_axes(self, variable, name):
         """The axes of the table a slot keeps: all (None), or axis 0 for a rowwise `velocities`."""
@@ -265,15 +314,15 @@ class EmbeddingAdam(OptimizerBase):
         if not self.lazy_adam:
             return [], []
         tables = [v for v, state in zip(self._trainable_variables, self._states) if state is not None]
-        return tables, [slot for v in tables for slot in self.row_slots(v)]
+        return tables, [slot for v in tables for slot in self._row_slots(v)]
 
     @property
-    def plans_slots(self) -> bool:
+    def _plans_slots(self) -> bool:
         # A `slot_variable_creation_fn` makes its own variables, with its own layouts.
         return self.slot_variable_creation_fn is None
 
-    def make_state(self, variable) -> VariableState:
-        """A table's slots, in the order of `row_update_options().slot_names`.
+    def _make_state(self, variable) -> VariableState:
+        """A table's slots, in the order of `_row_update_options().slot_names`.
 
         `momenta` and `velocities` (`(rows,)` with `second_moment="rowwise"`),
         made by `slot_variable_creation_fn` if given; then, with
@@ -287,18 +336,18 @@ class EmbeddingAdam(OptimizerBase):
             slots = self._create_slots_with_user_fn(variable)
         if self.bias_correction == "per_row":
             slots += (_slots.add_slot(self, variable, "row_steps", kept_axes=(0,), dtype="int32"),)
-        if self.lazy_ema:
-            # The EMA updates each row's average reflects (see `ema_step`).
+        if self._lazy_ema:
+            # The EMA updates each row's average reflects (see `_ema_step`).
             slots += (_slots.add_slot(self, variable, "average_steps", kept_axes=(0,), dtype="int32"),)
         window = None
-        if self.accumulates_rows:
+        if self._accumulates_rows:
             window = _slots.add_slot(self, variable, WINDOW_ROLE, kept_axes=(0,), dtype="int32")
         return VariableState(slots, window=window)
 
     # ---------------------------------------------------------------- gradient accumulation
 
     @property
-    def accumulates_rows(self) -> bool:
+    def _accumulates_rows(self) -> bool:
         """Whether Keras's `gradient_accumulation_steps` accumulates sparse gradients by rows: with `lazy_adam`.
 
         Keras adds every micro-batch's gradient into a dense, table-sized
@@ -313,15 +362,15 @@ class EmbeddingAdam(OptimizerBase):
         """
         return bool(self.lazy_adam and self.gradient_accumulation_steps)
 
-    def accumulation_window(self, variable):
-        """The `accumulation_window` slot of `variable`, or None (see `accumulates_rows`)."""
-        state = self.state_of(variable)
+    def _accumulation_window(self, variable):
+        """The `accumulation_window` slot of `variable`, or None (see `_accumulates_rows`)."""
+        state = self._state_of(variable)
         return None if state is None else state.window
 
     # ---------------------------------------------------------------- lazy EMA
 
     @property
-    def lazy_ema(self) -> bool:
+    def _lazy_ema(self) -> bool:
         """Whether the tables' EMA (Keras's `use_ema`) is kept lazily: with `use_ema` and `lazy_adam`.
 
         Keras updates every average at every step. A row the step did not touch
@@ -336,7 +385,7 @@ class EmbeddingAdam(OptimizerBase):
 
     def _lazy_averages(self):
         """`(variable, average, average_steps)` of every table whose EMA is kept lazily."""
-        if not self.lazy_ema or not self.built:
+        if not self._lazy_ema or not self.built:
             return []
         variables = _private.trainable_variables(self)
         averages = _private.moving_averages(self)
@@ -346,14 +395,14 @@ class EmbeddingAdam(OptimizerBase):
                 triples.append((variable, averages[index], state.slots[-1]))
         return triples
 
-    def row_slots(self, variable) -> tuple:
-        """The slots the row paths gather with the table, in the order of `row_update_options().slot_names`."""
-        slots = self.state_of(variable).slots
-        if self.lazy_ema:
+    def _row_slots(self, variable) -> tuple:
+        """The slots the row paths gather with the table, in the order of `_row_update_options().slot_names`."""
+        slots = self._state_of(variable).slots
+        if self._lazy_ema:
             slots += (_private.moving_averages(self)[_private.variable_index(self, variable)],)
         return slots
 
-    def ema_step(self):
+    def _ema_step(self):
         """The number of this step's EMA update: Keras updates the averages once per `apply` (micro-step)."""
         if not self.use_ema:
             return None
@@ -361,7 +410,7 @@ class EmbeddingAdam(OptimizerBase):
 
     def _catch_up(self, count, condition=None):
         """Catch every row of every lazily averaged table up to `count` EMA updates (where `condition` holds)."""
-        options = self.row_update_options()
+        options = self._row_update_options()
         for variable, average, steps in self._lazy_averages():
 
             def caught_up(variable=variable, average=average, steps=steps):
@@ -391,7 +440,7 @@ class EmbeddingAdam(OptimizerBase):
 
     def _update_model_variables_moving_average(self, trainable_variables):
         # Keras's hook (_private.EMA_HOOKS), after every step's update.
-        if not self.lazy_ema:
+        if not self._lazy_ema:
             return super()._update_model_variables_moving_average(trainable_variables)
         lazy = {id(variable) for variable, _, _ in self._lazy_averages()}
         # Keras's own update for variables without a lazy average (none, unless overwritten with gradients).
@@ -410,10 +459,10 @@ class EmbeddingAdam(OptimizerBase):
         self.catch_up_moving_averages()
         return super()._overwrite_model_variables_with_average_value(trainable_variables)
 
-    def optional_state_roles(self) -> frozenset:
+    def _optional_state_roles(self) -> frozenset:
         return frozenset({"average_steps", WINDOW_ROLE})
 
-    def fill_missing_state(self, variables) -> None:
+    def _fill_missing_state(self, variables) -> None:
         for variable in variables:
             owner, role = _slots.role_of(self, variable)
             if role == WINDOW_ROLE:
@@ -469,11 +518,11 @@ class EmbeddingAdam(OptimizerBase):
         return
 
     @property
-    def gradient_clip(self):
-        """The `(min, max)` gradient clip (either side may be None), or None."""
-        return self._gradient_clip
+    def _gradient_clip(self):
+        """The `(min, max)` gradient clip (either side may be None), or None: `clipvalue`, as it is now."""
+        return _normalize_clipvalue(self.clipvalue)
 
-    def row_update_options(self, variable=None) -> adam_math.RowUpdateOptions:
+    def _row_update_options(self, variable=None) -> adam_math.RowUpdateOptions:
         """The static options of the row update (`_math.embedding_adam.row_update`).
 
         Args:
@@ -498,11 +547,11 @@ class EmbeddingAdam(OptimizerBase):
             multiply_weight_decay_factor_by_learning_rate=multiply,
             second_moment=self.second_moment,
             bias_correction=self.bias_correction,
-            ema_momentum=self.ema_momentum if self.lazy_ema else None,
+            ema_momentum=self.ema_momentum if self._lazy_ema else None,
             ema_copy_updates=self.gradient_accumulation_steps or 1,
         )
 
-    def bias_corrected_learning_rate(self, learning_rate=None):
+    def _bias_corrected_learning_rate(self, learning_rate=None):
         """`lr_t` of the coming step: the rate the TPU embedding engine is fed."""
         learning_rate = self.learning_rate if learning_rate is None else learning_rate
         return adam_math.bias_corrected_learning_rate(
@@ -512,11 +561,11 @@ class EmbeddingAdam(OptimizerBase):
             self.beta_2,
         )
 
-    def row_learning_rate(self, learning_rate):
+    def _row_learning_rate(self, learning_rate):
         """The `learning_rate` `row_update` takes: `lr_t` (global bias correction) or `lr` itself (per row)."""
         if self.bias_correction == "per_row":
             return ops.cast(learning_rate, "float32")
-        return self.bias_corrected_learning_rate(learning_rate)
+        return self._bias_corrected_learning_rate(learning_rate)
 
     def update_step(self, gradient, variable, learning_rate):
         """Update the rows of `variable` present in `gradient` (all rows if not lazy)."""

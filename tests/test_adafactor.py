@@ -258,7 +258,7 @@ def test_factored_dims_decay_offset_momentum_dtype_match_optax(case):
     assert_moved([[np.asarray(p, np.float64) for p in params]], inits)
     factored = state[0]
     for i, variable in enumerate(variables):
-        slots = optimizer.state_of(variable).slots
+        slots = optimizer._state_of(variable).slots
         if len(slots) == 2:
             expected = (factored.v_row[i], factored.v_col[i])
         else:
@@ -270,7 +270,7 @@ def test_factored_dims_decay_offset_momentum_dtype_match_optax(case):
     if "beta_1" in kwargs:
         ema = next(s for s in state if hasattr(s, "ema")).ema
         for i, (variable, want) in enumerate(zip(variables, ema)):
-            momentum = optimizer.state_of(variable).momentum
+            momentum = optimizer._state_of(variable).momentum
             assert keras.backend.standardize_dtype(momentum.dtype) == kwargs.get("momentum_dtype", "float32")
             assert np.dtype(want.dtype) == numpy_dtype(kwargs.get("momentum_dtype", "float32"))
             np.testing.assert_allclose(
@@ -288,7 +288,7 @@ def test_two_largest_slot_shapes_follow_optax_rule():
         optimizer.build(variables)
         for shape, variable in zip(shapes, variables):
             dims = factorized._factored_dims(shape, True, 0 if min_dim is None else min_dim)
-            slots = optimizer.state_of(variable).slots
+            slots = optimizer._state_of(variable).slots
             if dims is None:
                 assert [tuple(s.shape) for s in slots] == [shape], (shape, min_dim)
                 continue
@@ -637,7 +637,7 @@ def test_config_round_trip_and_deserialized_numbers():
 def test_config_round_trip_of_layout_and_rounding_options():
     kwargs = dict(factored_dims="two_largest", momentum_dtype="bfloat16", beta_1=0.9, stochastic_rounding=True, seed=7)
     for opt in _check_round_trip(kto.Adafactor(**kwargs), kwargs):
-        assert opt.options == kto.Adafactor(**kwargs).options
+        assert opt._options == kto.Adafactor(**kwargs)._options
 
 
 def test_config_round_trip_with_schedule():

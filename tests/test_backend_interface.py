@@ -90,7 +90,7 @@ def test_platform_of_a_variable_here_is_cpu():
     assert _backend.get().platform_of(variable) == "cpu"
     optimizer = kto.Adafactor()
     optimizer.build([variable])
-    assert optimizer.platform_of(variable) == "cpu"
+    assert optimizer._platform_of(variable) == "cpu"
 
 
 @pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])

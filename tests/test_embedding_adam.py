@@ -911,7 +911,7 @@ def test_slot_shapes_and_dtypes(second_moment, bias_correction, rank):
         assert layout["table_row_steps"] == ((ROWS,), "int32")
     else:
         assert "table_row_steps" not in layout  # created only when an option needs it
-    slots = optimizer.state_of(variable).slots
+    slots = optimizer._state_of(variable).slots
     expected = 2 + (bias_correction == "per_row")
     assert len(slots) == expected
     if rank == 2 and bias_correction == "global":

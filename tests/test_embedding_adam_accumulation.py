@@ -80,7 +80,7 @@ class KerasDenseAccumulation(kto.EmbeddingAdam):
     """EmbeddingAdam with Keras's own dense accumulator: the behaviour the row accumulation must equal."""
 
     @property
-    def accumulates_rows(self):
+    def _accumulates_rows(self):
         return False
 
 

@@ -370,7 +370,7 @@ def test_jax_row_computation_equals_embedding_adam_on_a_table(name):
     initial = random_rows(0, rows=10)
     table = keras.Variable(initial, name="table")
     optimizer.build([table])
-    momenta_slot, velocities_slot = optimizer.state_of(table).slots
+    momenta_slot, velocities_slot = optimizer._state_of(table).slots
     touched = np.array([2, 5, 9])
     engine = [initial[touched], np.zeros((3, 8), np.float32), np.zeros((3, 8), np.float32)]
     for step in range(3):
@@ -403,7 +403,7 @@ def test_jax_learning_rate_follows_the_keras_schedule(kind):
         # ...and it is the rate EmbeddingAdam itself uses at that step.
         optimizer.iterations.assign(step)
         np.testing.assert_allclose(
-            float(spec.get_learning_rate(step)), float(optimizer.bias_corrected_learning_rate()), rtol=1e-6
+            float(spec.get_learning_rate(step)), float(optimizer._bias_corrected_learning_rate()), rtol=1e-6
         )
 
 

@@ -42,15 +42,15 @@ class RecordingEnviron(dict):
 
 
 def a_step_of_each_optimizer():
-    table = keras.Variable(np.ones((70000, 64), "float32"), name="table")  # 17.9 MB: above any size threshold
-    kernel = keras.Variable(np.ones((32, 16), "float32"), name="kernel")
+    table = keras.Variable(np.ones((200_000, 64), "float32"), name="table")  # 51 MB: above any size threshold
+    kernel = keras.Variable(np.ones((1024, 4096), "float32"), name="kernel")
     embedding_adam, adafactor = kto.EmbeddingAdam(0.01), kto.Adafactor(0.01)
     embedding_adam.build([table])
     adafactor.build([kernel])
-    gradient = np.zeros((70000, 64), "float32")
+    gradient = np.zeros((200_000, 64), "float32")
     gradient[3] = 1.0
     embedding_adam.apply([keras.ops.convert_to_tensor(gradient)], [table])
-    adafactor.apply([keras.ops.ones((32, 16))], [kernel])
+    adafactor.apply([keras.ops.ones((1024, 4096))], [kernel])
     return table, embedding_adam
 
 
@@ -77,11 +77,14 @@ def test_build_and_steps_register_no_listener_and_advise_no_memory(monkeypatch):
 
 
 FRESH_PROCESS = textwrap.dedent("""
+    import os
     import jax
     from jax._src import monitoring
     before = len(monitoring._event_duration_secs_listeners)
     import test_tuning, test_huge_pages
+    os.environ = recording = test_tuning.RecordingEnviron(os.environ)
     table, optimizer = test_tuning.a_step_of_each_optimizer()
+    assert not [key for key in recording.read if "TPU_OPTIM" in key.upper()], recording.read
     keras_step = jax.jit(lambda x: x * 2.0)(jax.numpy.ones((1000, 1000)))  # a compilation after ours
     assert len(monitoring._event_duration_secs_listeners) == before, "a listener was registered"
     tables, slots = optimizer._row_tables()

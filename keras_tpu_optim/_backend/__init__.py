@@ -24,7 +24,7 @@ functions; the optimizers call them and never ask which backend runs:
   after unscaling (the accumulate-or-update of `gradient_accumulation_steps`,
   then the EMA); `keras_apply` is Keras's own. The rows of sparse gradients
   are accumulated sparsely where the backend can
-  (`optimizer.accumulates_rows`); eager JAX runs only the branch taken.
+  (`optimizer._accumulates_rows`); eager JAX runs only the branch taken.
 - `adafactor_reductions(platform)`: the reductions Adafactor's math uses on
   that platform (see `_math.adafactor.Reductions`).
 - `state_creation_scope()`: the context `build` creates the optimizer's state

@@ -50,9 +50,9 @@ def state_creation_scope():
 
 def adafactor_step(optimizer, gradient, variable, learning_rate, reductions=adafactor_math.NEUTRAL):
     """One Adafactor step on a dense gradient, through the optimizer's `assign`s."""
-    state = optimizer.state_of(variable)
+    state = optimizer._state_of(variable)
     step = optimizer.iterations + 1
-    options = optimizer.options
+    options = optimizer._options
     delta, new_slots, new_momentum = adafactor_math.adafactor_update(
         ops.cast(gradient, "float32"),
         ops.cast(variable, "float32"),
@@ -119,12 +119,12 @@ def embedding_adam_step(optimizer, gradient, variable, learning_rate, *, lazy_ro
     `lazy_row_update(update_rows, gradient, variable, slots)` is the backend's
     row-sparse update; `densify` its conversion of a sparse gradient.
     """
-    slots = optimizer.row_slots(variable)
+    slots = optimizer._row_slots(variable)
     update_rows = functools.partial(
         update_rows_in_float32,
-        learning_rate=optimizer.row_learning_rate(learning_rate),
-        options=optimizer.row_update_options(variable),
-        ema_step=optimizer.ema_step(),
+        learning_rate=optimizer._row_learning_rate(learning_rate),
+        options=optimizer._row_update_options(variable),
+        ema_step=optimizer._ema_step(),
     )
     if optimizer.lazy_adam:
         lazy_row_update(update_rows, gradient, variable, slots)
@@ -204,7 +204,7 @@ def accumulated_apply(optimizer, grads, variables, *, rows):
     number = ops.cast(optimizer.iterations + 1, "int32")  # the update this window ends in
     accumulators = _private.gradient_accumulators(optimizer)
     pairs = [
-        (g, accumulators[_private.variable_index(optimizer, v)], optimizer.accumulation_window(v))
+        (g, accumulators[_private.variable_index(optimizer, v)], optimizer._accumulation_window(v))
         for g, v in zip(grads, variables)
     ]
 

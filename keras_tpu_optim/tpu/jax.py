@@ -97,7 +97,7 @@ def to_tpu_embedding(optimizer) -> embedding_spec.CustomOptimizerSpec:
     _check_sparsecore_options(optimizer)
     return embedding_spec.CustomOptimizerSpec(
         learning_rate=BiasCorrectedLearningRate(optimizer),
-        custom_computation_fn=RowUpdateComputation(optimizer.row_update_options()),
+        custom_computation_fn=RowUpdateComputation(optimizer._row_update_options()),
         slot_variable_initializers_tuple=(jax.nn.initializers.zeros, jax.nn.initializers.zeros),
         short_name_str="embedding_adam",
     )

@@ -60,7 +60,7 @@ class BiasCorrectedLearningRate:
         self.optimizer = optimizer
 
     def __call__(self):
-        return tf.cast(self.optimizer.bias_corrected_learning_rate(), tf.float32)
+        return tf.cast(self.optimizer._bias_corrected_learning_rate(), tf.float32)
 
     def __repr__(self):
         return f"BiasCorrectedLearningRate({self.optimizer.name!r})"
@@ -70,7 +70,7 @@ def to_tpu_embedding(optimizer) -> TPUEmbeddingAdam:
     """See `keras_tpu_optim.tpu.to_tpu_embedding`."""
     _export.check_keras_options(optimizer, _ENGINE)
     _export.check_row_options(optimizer, _ENGINE)
-    options = optimizer.row_update_options()
+    options = optimizer._row_update_options()
     has_decay = options.weight_decay_factor is not None
     has_gradient_clip = options.gradient_clip_min is not None or options.gradient_clip_max is not None
     return TPUEmbeddingAdam(

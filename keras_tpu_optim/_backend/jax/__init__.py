@@ -78,10 +78,10 @@ checked_gradient = neutral.checked_gradient
 
 def adafactor_step(optimizer, gradient, variable, learning_rate):
     """The neutral step with the platform's reductions, as one `jax.jit` per options (inlined where traced)."""
-    state = optimizer.state_of(variable)
+    state = optimizer._state_of(variable)
     targets = (variable, *state.slots) + (() if state.momentum is None else (state.momentum,))
-    structure, values = adafactor_math.split_options(optimizer.options)
-    update = _adafactor_update(structure, adafactor_reductions(optimizer.platform_of(variable)))
+    structure, values = adafactor_math.split_options(optimizer._options)
+    update = _adafactor_update(structure, adafactor_reductions(optimizer._platform_of(variable)))
     new_values = update(
         densify(gradient),
         tuple(t.value for t in targets),
@@ -140,14 +140,14 @@ def embedding_adam_step(optimizer, gradient, variable, learning_rate):
     else:
         path = ("dense", min(num_rows, optimizer.max_touched_rows or rows.default_capacity(num_rows)))
         entries = (gradient,)
-    targets = (variable, *optimizer.row_slots(variable))
-    structure, values = adam_math.split_options(optimizer.row_update_options(variable))
+    targets = (variable, *optimizer._row_slots(variable))
+    structure, values = adam_math.split_options(optimizer._row_update_options(variable))
     update = _row_update(path, structure)
-    ema_step = optimizer.ema_step()
+    ema_step = optimizer._ema_step()
     new_values = update(
         entries,
         tuple(t.value for t in targets),
-        ops.convert_to_tensor(optimizer.row_learning_rate(learning_rate)),
+        ops.convert_to_tensor(optimizer._row_learning_rate(learning_rate)),
         None if ema_step is None else ops.convert_to_tensor(ema_step),
         {name: ops.convert_to_tensor(value, "float32") for name, value in values.items()},
     )
@@ -191,15 +191,15 @@ def apply_gradients(optimizer, grads, variables, keras_apply):
     other backends, so a state saved here resumes there.
     """
     number = ops.cast(optimizer.iterations + 1, "int32")  # before `apply` counts this micro-step
-    if optimizer.accumulates_rows:
+    if optimizer._accumulates_rows:
         grads = [densify(g) for g in grads]
     if optimizer.gradient_accumulation_steps and concrete(optimizer.iterations):
         _eager_accumulated_apply(optimizer, grads, variables)
     else:
         keras_apply(grads, variables)
-    if optimizer.accumulates_rows:
+    if optimizer._accumulates_rows:
         for gradient, variable in zip(grads, variables):
-            window = optimizer.accumulation_window(variable)
+            window = optimizer._accumulation_window(variable)
             if window is not None:
                 window.assign(adam_math.mark_touched(gradient, window.value, number))
 

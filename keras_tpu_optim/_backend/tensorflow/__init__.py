@@ -63,13 +63,13 @@ def embedding_adam_step(optimizer, gradient, variable, learning_rate):
         rows.compiled_lazy_row_update(
             optimizer,
             neutral.update_rows_in_float32,
-            optimizer.row_update_options(variable),
-            optimizer.row_learning_rate(learning_rate),
+            optimizer._row_update_options(variable),
+            optimizer._row_learning_rate(learning_rate),
             gradient,
             variable,
-            optimizer.row_slots(variable),
+            optimizer._row_slots(variable),
             accumulate_duplicates=accumulate,
-            ema_step=optimizer.ema_step(),
+            ema_step=optimizer._ema_step(),
         )
         return
     neutral.embedding_adam_step(
@@ -83,8 +83,8 @@ def embedding_adam_step(optimizer, gradient, variable, learning_rate):
 
 
 def apply_gradients(optimizer, grads, variables, keras_apply):
-    """Keras's step (`keras_apply`), or with `accumulates_rows` the same step with sparse rows accumulated in place."""
-    if not optimizer.accumulates_rows:
+    """Keras's step (`keras_apply`), or with `_accumulates_rows` the same step with sparse rows accumulated in place."""
+    if not optimizer._accumulates_rows:
         keras_apply(grads, variables)
         return
     neutral.accumulated_apply(optimizer, grads, variables, rows=accumulation.for_owner(optimizer))

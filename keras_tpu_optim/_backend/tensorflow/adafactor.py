@@ -93,16 +93,16 @@ def adafactor_step(optimizer, gradient, variable, learning_rate):
     and 982 vs 751 MB.)
     """
     gradient = densify(gradient)
-    platform = optimizer.platform_of(variable)
+    platform = optimizer._platform_of(variable)
     reductions = adafactor_reductions(platform)
     if _private.in_stateless_scope() or not compiling_helps():
         neutral.adafactor_step(optimizer, gradient, variable, learning_rate, reductions)
         return
-    state = optimizer.state_of(variable)
+    state = optimizer._state_of(variable)
     step = optimizer.iterations + 1
     variable_index = _private.variable_index(optimizer, variable)
     # The options' numbers are arguments: one trace serves every value of them.
-    structure, option_values = adafactor_math.split_options(optimizer.options)
+    structure, option_values = adafactor_math.split_options(optimizer._options)
     if platform == "cpu" and keras.backend.standardize_dtype(variable.dtype) == "float32":
         update = compiled_function(
             optimizer, ("adafactor_blocks", structure), lambda: _blocked_update(structure), xla=False

@@ -64,10 +64,10 @@ def scratch_of(optimizer) -> adafactor.Scratch:
 
 
 def adafactor_step(optimizer, gradient, variable, learning_rate):
-    if _private.in_stateless_scope() or not fused_adafactor_applies(optimizer.platform_of(variable)):
+    if _private.in_stateless_scope() or not fused_adafactor_applies(optimizer._platform_of(variable)):
         neutral.adafactor_step(optimizer, densify(gradient), variable, learning_rate)
         return
-    state = optimizer.state_of(variable)
+    state = optimizer._state_of(variable)
     adafactor.adafactor_step(
         densify(gradient),
         variable.value,
@@ -75,7 +75,7 @@ def adafactor_step(optimizer, gradient, variable, learning_rate):
         None if state.momentum is None else state.momentum.value,
         learning_rate=ops.convert_to_tensor(learning_rate),
         step=ops.convert_to_tensor(optimizer.iterations) + 1,
-        options=optimizer.options,
+        options=optimizer._options,
         scratch=scratch_of(optimizer),
         variable_index=_private.variable_index(optimizer, variable),
     )
@@ -96,7 +96,7 @@ def embedding_adam_step(optimizer, gradient, variable, learning_rate):
 
 def apply_gradients(optimizer, grads, variables, keras_apply):
     """Keras's step (`keras_apply`), or with `accumulates_rows` the same step with sparse rows accumulated in place."""
-    if not optimizer.accumulates_rows:
+    if not optimizer._accumulates_rows:
         keras_apply(grads, variables)
         return
     neutral.accumulated_apply(optimizer, grads, variables, rows=accumulation)
