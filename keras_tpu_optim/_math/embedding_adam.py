@@ -210,11 +210,18 @@ def ema_rows(old_weight, new_weight, average, average_steps, ema_step, options: 
 
 
 def touched_row_mask(gradient):
-    """`(rows,)` booleans: the rows of a dense gradient with any non-zero (or NaN) entry."""
-    nonzero = ops.not_equal(gradient, ops.zeros((), gradient.dtype))
+    """`(rows,)` booleans: the rows of a dense gradient with any non-zero (or NaN) entry.
+
+    The one rule of every backend, as `sum(|g|) != 0` over the row: a sum of
+    magnitudes is zero only when every entry is zero (it cannot underflow
+    below its largest term, and a NaN or Inf carries through), on every
+    compiler; a max-reduction may drop NaNs where fast min/max is on (TF's
+    XLA), and a norm squares tiny entries to zero.
+    """
     if len(gradient.shape) == 1:
-        return nonzero
-    return ops.any(ops.reshape(nonzero, (gradient.shape[0], -1)), axis=1)
+        return ops.not_equal(gradient, ops.zeros((), gradient.dtype))
+    magnitudes = ops.sum(ops.abs(ops.reshape(gradient, (gradient.shape[0], -1))), axis=1)
+    return ops.not_equal(magnitudes, ops.zeros((), magnitudes.dtype))
 
 
 def mark_touched(gradient, window, number):

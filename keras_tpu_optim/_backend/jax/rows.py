@@ -27,20 +27,12 @@ import jax.numpy as jnp
 from jax.experimental import sparse as jax_sparse
 
 from keras_tpu_optim._backend import blocks
+from keras_tpu_optim._math import embedding_adam as adam_math
 
 _BITS = 32
 
 
-def touched_mask(gradient):
-    """Rows with any non-zero (or NaN) entry.
-
-    `max(|g|) != 0` rather than `any(g != 0)`: the same rows, and XLA's CPU
-    backend runs a float max-reduction at the speed of one read of the
-    gradient.
-    """
-    if gradient.ndim == 1:
-        return gradient != 0
-    return jnp.max(jnp.abs(gradient.reshape(gradient.shape[0], -1)), axis=1) != 0
+touched_mask = adam_math.touched_row_mask  # Rows with any non-zero (or NaN) entry.
 
 
 def pack_bits(mask):

@@ -65,13 +65,8 @@ def group_rows(values, group, accumulate_duplicates):
 
 
 def touched_rows(gradient):
-    """Indices of the rows of a dense gradient with any non-zero (or NaN) entry."""
-    if gradient.shape.rank == 1:
-        nonzero = tf.not_equal(gradient, tf.zeros((), gradient.dtype))
-    else:
-        rows = tf.reshape(gradient, [tf.shape(gradient)[0], -1])
-        nonzero = tf.not_equal(tf.reduce_sum(tf.abs(rows), axis=1), tf.zeros((), gradient.dtype))
-    return tf.cast(tf.where(nonzero)[:, 0], tf.int32)
+    """Indices of the rows of a dense gradient with any non-zero (or NaN) entry (`touched_row_mask`)."""
+    return tf.cast(tf.where(adam_math.touched_row_mask(gradient))[:, 0], tf.int32)
 
 
 def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplicates):

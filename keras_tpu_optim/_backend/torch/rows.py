@@ -25,17 +25,15 @@ def unique_rows(indices, values, accumulate_duplicates):
 
 
 def touched_rows(gradient):
-    """Rows with any non-zero (or NaN, or Inf) entry.
+    """Rows with any non-zero (or NaN) entry: `_math.embedding_adam.touched_row_mask`'s `sum(|g|) != 0`.
 
-    The row's L2 norm, which torch reduces without a full-size temporary
-    (`any(g != 0)` and `sum(|g|) != 0` make one). A row whose entries are all
-    below ~4e-23 in magnitude (their squares underflow float32) counts as
-    untouched.
+    As the row's 1-norm, which torch reduces without a full-size temporary
+    (`abs(g).sum()` would make one).
     """
     if gradient.dim() == 1:
         return torch.nonzero(gradient != 0).squeeze(1)
-    norms = torch.linalg.vector_norm(gradient.reshape(gradient.shape[0], -1), dim=1)
-    return torch.nonzero(norms != 0).squeeze(1)
+    magnitudes = torch.linalg.vector_norm(gradient.reshape(gradient.shape[0], -1), ord=1, dim=1)
+    return torch.nonzero(magnitudes != 0).squeeze(1)
 
 
 @torch.no_grad()
