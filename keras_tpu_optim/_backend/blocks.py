@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import math
 
-# Elements of a block (16 MiB of float32). Measured on CPU, the embedding and MLP kernels of a
-# GPT-2-sized model, eager torch: on one thread 4 and 16 MiB blocks were faster than one
-# variable-sized buffer (~60 vs ~80 ms: cache-resident blocks); on two threads of a loaded
-# machine, where every parallel op waits for a busy core, smaller blocks (more ops) were much
-# slower: 4 MiB 9x, 16 MiB 2.3x the variable-sized buffer's time.
+# Elements of a block (16 MiB of float32): on CPU, large enough that the number of ops stays small
+# (each parallel op waits for every core), small enough to bound the step's temporaries
+# (CHANGELOG has the measurements).
 CHUNK_ELEMENTS = 1 << 22
 
 

@@ -205,7 +205,7 @@ def ema_rows(old_weight, new_weight, average, average_steps, ema_step, options: 
     # A row's average reflects at most `ema_step` updates before this one, so this is
     # `ema_step + 1`. Written from the gathered counts, not as a broadcast: a scatter whose values
     # do not depend on the gather from the same slot makes XLA copy the whole `(rows,)` slot to
-    # keep the gather's input (two copies a step on TF: 40 MB each at 10M rows).
+    # keep the gather's input (on TF, two copies of it a step).
     return average, ops.cast(ops.maximum(ops.cast(average_steps, "int32"), ema_step + 1), average_steps.dtype)
 
 

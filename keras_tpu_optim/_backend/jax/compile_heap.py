@@ -4,7 +4,7 @@ Opt-in only, through `keras_tpu_optim.tuning.release_compile_heap`: the
 listener is process-wide (it follows every compilation, the user's own code
 included), so nothing here runs unless the user asks for it.
 
-Compiling a training step allocates a compiler heap of ~100 MB or more,
+Compiling a training step allocates a compiler heap,
 whatever the model's size, and frees it before the step runs; glibc keeps
 the freed memory in its arenas, so on CPU the step's own buffers come on top
 of it and the process's peak memory is compiler heap + step.

@@ -22,7 +22,7 @@ def state_creation_scope():
 
     Keras's TF trainer builds the optimizer while it traces the train step;
     variables created there get their initializers lifted into functions of
-    their own, kept in the process (measured: 8 MB for a small model's 58),
+    their own, kept in the process (one per variable),
     and a `tf.function` that saw variables created traces itself a second
     time, for the calls that follow. Created eagerly and not lifted
     (`experimental_enable_variable_lifting=False`: the variables hold their

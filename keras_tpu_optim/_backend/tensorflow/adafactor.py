@@ -87,10 +87,9 @@ def adafactor_step(optimizer, gradient, variable, learning_rate):
     TF trainer without XLA, eager TF): a float32 variable on CPU takes the
     block kernel (`adafactor_kernel`, no XLA: measured for memory); a variable
     on another platform, or of another dtype, its step compiled on its own with
-    XLA. (bfloat16 weights of a GPT-2-sized model on CPU, the kernel against
-    XLA: rounded to nearest 1938 vs 1619 ms a step, `fit` peak 603 vs 667 MB;
-    with stochastic rounding, whose integer hash XLA fuses, 2863 vs 1646 ms
-    and 982 vs 751 MB.)
+    XLA (for bfloat16 weights the kernel was slower than XLA, and with
+    stochastic rounding, whose integer hash XLA fuses, slower and larger:
+    CHANGELOG has the figures).
     """
     gradient = densify(gradient)
     platform = optimizer._platform_of(variable)

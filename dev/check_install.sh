@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Builds the wheel and installs it with each backend extra into a fresh virtual environment, then
+# imports the package and runs one step of each optimizer there: what a user's `pip install
+# "keras_tpu_optim[jax]"` gets. Needs the package index (not part of the test suite).
+#
+#   bash dev/check_install.sh                 jax, torch and tensorflow
+#   bash dev/check_install.sh jax             one extra
+#   EXTRA_PINS="torch==2.13.0" bash dev/check_install.sh torch   pins added to the install
+#
+# torch: pass a CPU pin (as above) on a machine without a GPU, or pip takes a multi-GB CUDA build.
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+"${PYTHON:-python3}" -m pip wheel --quiet --no-deps --wheel-dir "$work/dist" "$repo"
+wheel="$(ls "$work"/dist/keras_tpu_optim-*.whl)"
+extras=("$@")
+[ ${#extras[@]} -gt 0 ] || extras=(jax torch tensorflow)
+failed=()
+for extra in "${extras[@]}"; do
+  echo "=== [$extra] ==="
+  "${PYTHON:-python3}" -m venv "$work/$extra"
+  py="$work/$extra/bin/python"
+  # shellcheck disable=SC2086
+  if ! "$py" -m pip install --quiet "${wheel}[$extra]" ${EXTRA_PINS:-}; then
+    failed+=("$extra (install)"); continue
+  fi
+  "$py" -m pip list 2>/dev/null | grep -iE "^(keras|jax|jaxlib|torch|tensorflow|tensorflow-cpu|numpy) " || true
+  if ! KERAS_BACKEND="$extra" "$py" - <<'PY'
+import numpy as np
+import keras
+import keras_tpu_optim as kto
+
+table = keras.Variable(np.ones((100, 8), "float32"))
+kernel = keras.Variable(np.ones((16, 8), "float32"))
+gradient = np.zeros((100, 8), "float32")
+gradient[[3, 7]] = 1.0
+embedding_adam, adafactor = kto.EmbeddingAdam(0.1), kto.Adafactor(0.1)
+embedding_adam.apply([keras.ops.convert_to_tensor(gradient)], [table])
+adafactor.apply([keras.ops.ones((16, 8))], [kernel])
+moved = keras.ops.convert_to_numpy(table)
+assert (moved[[3, 7]] < 1).all() and (moved[[0, 1, 99]] == 1).all()
+assert (keras.ops.convert_to_numpy(kernel) < 1).all()
+print(f"keras_tpu_optim {kto.__version__} on {keras.backend.backend()}: one step of each optimizer")
+PY
+  then
+    failed+=("$extra (step)")
+  fi
+done
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "FAILED: ${failed[*]}"
+  exit 1
+fi
+echo "Every extra installed and stepped."
