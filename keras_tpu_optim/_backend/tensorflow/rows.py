@@ -1,13 +1,14 @@
 """TensorFlow: the touched rows of a table, from `tf.IndexedSlices` or a dense gradient, updated in place.
 
-Runs eagerly, in `tf.function` and under `jit_compile=True`, and inside
-`tf.distribute` replica updates. XLA's `tf.unique` is slow, so under XLA
-duplicates are summed in the touched rows of a table
-(`_accumulate_and_update`), or, when the last occurrence wins, grouped by a
-sort with static shapes (`grouped_rows`). Outside XLA (what `fit` runs on a
-machine without an accelerator, and eager code) `tf.unique`'s hash groups the
-ids and everything after it is one XLA computation
-(`compiled_lazy_row_update`).
+Two row paths. An `IndexedSlices` takes `sparse_row_update`: duplicates
+summed in the touched rows of a table-shaped target (`_accumulate_and_update`:
+no sort), or, when the last occurrence wins, grouped by a stable sort with
+static shapes (`grouped_rows`). It runs inlined where it is traced into XLA
+(`jit_compile=True`) or inside a `tf.distribute` replica update, and as one
+XLA computation of its own everywhere else (`compiled_lazy_row_update`: what
+`fit` runs on a machine without an accelerator, and eager code), so that it
+is never a chain of single TF kernels. A dense gradient takes its touched
+rows (`touched_rows`).
 """
 
 from __future__ import annotations
@@ -18,27 +19,14 @@ from keras_tpu_optim._backend import blocks
 from keras_tpu_optim._backend.tensorflow._compile import (
     compiled_function,
     compiling_helps,
-    in_xla_context,
     native_variable,
 )
 from keras_tpu_optim._backend.tensorflow.gradients import sparse_entries
 from keras_tpu_optim._math import embedding_adam as adam_math
 
 
-def unique_rows(indices, values, accumulate_duplicates):
-    """Deduplicate a sparse gradient: sum duplicates, or keep the last occurrence."""
-    ids, position = tf.unique(indices)
-    count = tf.shape(ids)[0]
-    if accumulate_duplicates:
-        rows = tf.math.unsorted_segment_sum(values, position, count)
-    else:
-        last = tf.math.unsorted_segment_max(tf.range(tf.shape(indices)[0]), position, count)
-        rows = tf.gather(values, last)
-    return ids, rows
-
-
 def grouped_rows(indices, values, accumulate_duplicates):
-    """`unique_rows` with static shapes, for XLA: every id keeps its place, carrying its group's row.
+    """Duplicates summed, or the last occurrence kept, with static shapes: every id keeps its place, carrying its group's row.
 
     Duplicate ids get identical rows, hence identical updated rows: their
     scatters write the same values, in whatever order.
@@ -78,18 +66,19 @@ def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplic
     """
     targets = [native_variable(variable)] + [native_variable(s) for s in slots]
     if isinstance(gradient, tf.IndexedSlices):
-        indices, values = sparse_entries(gradient)
-        if in_xla_context():
-            accumulator = _accumulator(targets, values.dtype) if accumulate_duplicates else None
-            if accumulator is not None:
-                _accumulate_and_update(update_rows, indices, values, targets, accumulator)
-                return
-            ids, grad_rows = grouped_rows(indices, values, accumulate_duplicates)
-        else:
-            ids, grad_rows = unique_rows(indices, values, accumulate_duplicates)
-    else:
-        ids = touched_rows(gradient)
-        grad_rows = tf.gather(gradient, ids)
+        sparse_row_update(update_rows, *sparse_entries(gradient), targets, accumulate_duplicates)
+        return
+    ids = touched_rows(gradient)
+    _update_in_place(update_rows, ids, tf.gather(gradient, ids), targets)
+
+
+def sparse_row_update(update_rows, indices, values, targets, accumulate_duplicates):
+    """The rows `indices` of `targets` updated with `values`, duplicates summed or the last occurrence kept."""
+    accumulator = _accumulator(targets, values.dtype) if accumulate_duplicates else None
+    if accumulator is not None:
+        _accumulate_and_update(update_rows, indices, values, targets, accumulator)
+        return
+    ids, grad_rows = grouped_rows(indices, values, accumulate_duplicates)
     _update_in_place(update_rows, ids, grad_rows, targets)
 
 
@@ -151,18 +140,15 @@ def compiled_update_applies(gradient) -> bool:
 def compiled_lazy_row_update(
     owner, row_function, options, learning_rate, gradient, variable, slots, *, accumulate_duplicates, ema_step=None
 ):
-    """`lazy_row_update` of an IndexedSlices gradient outside XLA, compiled with XLA.
+    """`sparse_row_update` of an IndexedSlices gradient outside XLA, as one XLA computation.
 
-    Without XLA every op of the row update is its own kernel and
-    `unsorted_segment_sum` adds the rows one at a time. Here `tf.unique` (a
-    hash, cheap outside XLA, slow inside) names each id's group, and one XLA
-    computation sums the groups in a gradient-sized buffer, gathers, updates
-    and scatters. Every id keeps its place, carrying its group's row, so the
-    shapes are those of the gradient (one compilation per batch size);
-    eagerly, where sizes vary from call to call, the ids are padded to a
-    power-of-two count of at least `blocks.MIN_BUCKET` (padding names row
-    `rows`, past the end: XLA drops its scatters), so that a compilation
-    serves a bucket of sizes.
+    Without XLA every op of the row update is its own kernel. The shapes are
+    those of the gradient (one compilation per batch size); eagerly, where
+    sizes vary from call to call, the entries are padded to a power-of-two
+    count of at least `blocks.MIN_BUCKET` (padding names row `rows`, past the
+    end: XLA drops its scatters, and its clipped gathers feed only those), so
+    that a compilation serves a bucket of sizes. The ids are checked first:
+    XLA would clip an out-of-range id silently.
 
     `row_function(grad, weight, *slots, *, learning_rate, options,
     ema_step)` is the row update; the options' numbers are arguments of the
@@ -179,25 +165,22 @@ def compiled_lazy_row_update(
     targets = [native_variable(variable)] + [native_variable(s) for s in slots]
     indices, values = sparse_entries(gradient)
     indices = _checked_indices(indices, tf.shape(targets[0], out_type=indices.dtype)[0], variable)
-    _, group = tf.unique(indices)
     if tf.executing_eagerly():
-        indices, group, values = _padded(indices, group, values, tf.shape(targets[0], out_type=indices.dtype)[0])
+        indices, values = _padded(indices, values, tf.shape(targets[0], out_type=indices.dtype)[0])
     ema_step = None if ema_step is None else tf.convert_to_tensor(ema_step)
     option_values = {name: tf.constant(value, tf.float32) for name, value in option_values.items()}
-    update(indices, group, values, tf.convert_to_tensor(learning_rate), targets, ema_step, option_values)
+    update(indices, values, tf.convert_to_tensor(learning_rate), targets, ema_step, option_values)
 
 
-def _padded(indices, group, values, num_rows):
-    """The entries padded to a power-of-two count (at least `blocks.MIN_BUCKET`): id `num_rows`, each its own
-    group, zero values."""
+def _padded(indices, values, num_rows):
+    """The entries padded to a power-of-two count (at least `blocks.MIN_BUCKET`): id `num_rows`, zero values."""
     count = int(indices.shape[0])
     padding = blocks.bucket(count) - count
     if not padding:
-        return indices, group, values
+        return indices, values
     indices = tf.concat([indices, tf.fill([padding], num_rows)], 0)
-    group = tf.concat([group, tf.range(count, count + padding, dtype=group.dtype)], 0)
     values = tf.concat([values, tf.zeros([padding] + values.shape[1:].as_list(), values.dtype)], 0)
-    return indices, group, values
+    return indices, values
 
 
 def _checked_indices(indices, num_rows, variable):
@@ -219,12 +202,12 @@ def _checked_indices(indices, num_rows, variable):
 
 
 def _compilable_update(row_function, structure, accumulate_duplicates):
-    def update(indices, group, values, learning_rate, targets, ema_step, option_values):
+    def update(indices, values, learning_rate, targets, ema_step, option_values):
         options = adam_math.joined_options(structure, option_values)
 
         def update_rows(*rows):
             return row_function(*rows, learning_rate=learning_rate, options=options, ema_step=ema_step)
 
-        _update_in_place(update_rows, indices, group_rows(values, group, accumulate_duplicates), targets)
+        sparse_row_update(update_rows, indices, values, targets, accumulate_duplicates)
 
     return update
