@@ -143,6 +143,10 @@ class Run:
         pass
 
 
+# `--huge-pages`: ours' tables advised with keras_tpu_optim.tuning.advise_huge_pages after build (JAX, opt-in).
+ADVISE_HUGE_PAGES = False
+
+
 class KerasJaxRun(Run):
     grad_kind = "dense"
 
@@ -155,6 +159,11 @@ class KerasJaxRun(Run):
         var = keras.Variable(table_np, name="table")
         opt = make_opt()
         opt.build([var])
+        if ADVISE_HUGE_PAGES:
+            import keras_tpu_optim
+
+            if isinstance(opt, keras_tpu_optim.EmbeddingAdam):
+                keras_tpu_optim.tuning.advise_huge_pages(opt)
         self.opt_vals = [v.value for v in opt.variables]
         self.train_vals = [var.value]
         self.grads = [jnp.asarray(g) for g in dense_grads]
@@ -447,12 +456,16 @@ def main(argv=None):
                     help="run only the configurations whose label contains this, e.g. '[BCOO]' "
                          "(on JAX: then no dense gradients are built, so larger tables fit)")
     ap.add_argument("--quick", action="store_true", help="small tables, for smoke tests")
+    ap.add_argument("--huge-pages", action="store_true",
+                    help="JAX: advise ours' tables for huge pages after build (keras_tpu_optim.tuning, opt-in)")
     ap.add_argument("--interleave", action="store_true",
                     help="with --only: build every size's run first, then time them a step each in turn "
                          "(all sizes in memory at once; growth figures without load drift between sizes)")
     ap.add_argument("--json", default=None, help="write the results as JSON to this path")
     ap.add_argument("--_sparse-adam-peer", dest="peer", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    global ADVISE_HUGE_PAGES
+    ADVISE_HUGE_PAGES = args.huge_pages
     args.sizes = [parse_size(s) for s in (args.sizes or ("10k,100k" if args.quick else "100k,1M,10M")).split(",")]
     args.dim = args.dim or (16 if args.quick else 64)
     args.ids = args.ids or (512 if args.quick else 4096)
