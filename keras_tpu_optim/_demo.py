@@ -238,9 +238,17 @@ def _figure(path, lm, rec, backend):
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    if args.backend:
-        os.environ["KERAS_BACKEND"] = args.backend
     import keras
+
+    if args.backend and args.backend != keras.backend.backend():
+        # Keras chose its backend when it was imported (with this package): run the demo in a process of
+        # its own on the one asked for, leaving this process's environment as it is.
+        import subprocess
+
+        argv = sys.argv[1:] if argv is None else list(argv)
+        child = subprocess.run([sys.executable, "-m", "keras_tpu_optim", *argv],
+                               env=dict(os.environ, KERAS_BACKEND=args.backend), check=False)
+        return child.returncode
 
     steps = args.steps or (3 if args.quick else 60)
     if steps < 2:

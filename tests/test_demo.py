@@ -42,3 +42,19 @@ def test_quick_demo_trains_prints_summary_and_writes_figure(tmp_path):
     per_row = re.search(r"^keras_tpu_optim\.EmbeddingAdam\(per_row\)\s+([\d.]+)\s+[\d.]+\s+([\d,]+)", out, re.M)
     assert per_row and 0 < int(per_row.group(2).replace(",", "")) < 256, out[-2000:]
     assert f"final loss {per_row.group(1)} against" in out
+
+
+def test_backend_option_runs_the_demo_on_that_backend_in_its_own_process(monkeypatch):
+    """Keras has chosen its backend by the time the demo parses `--backend`: another one runs in a child
+    process with KERAS_BACKEND set there; this process's environment is left as it was."""
+    from keras_tpu_optim import _demo
+
+    other = next(b for b in ("tensorflow", "jax", "torch") if b != keras.backend.backend())
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, env, check: calls.append((cmd, env)) or
+                        subprocess.CompletedProcess(cmd, 7))
+    environment = dict(os.environ)
+    assert _demo.main(["--backend", other, "--quick"]) == 7
+    (cmd, env), = calls
+    assert cmd[1:] == ["-m", "keras_tpu_optim", "--backend", other, "--quick"] and env["KERAS_BACKEND"] == other
+    assert dict(os.environ) == environment
