@@ -44,12 +44,12 @@ def _normalize_clipvalue(clipvalue):
     return (-value, value)
 
 
-_HYPERPARAMETERS = (
+_HYPERPARAMETERS = frozenset([
     "beta_1", "beta_2", "epsilon", "lazy_adam", "sum_inside_sqrt", "use_gradient_accumulation", "clip_weight_min",
     "clip_weight_max", "weight_decay_factor", "multiply_weight_decay_factor_by_learning_rate",
     "slot_variable_creation_fn", "clipvalue", "low_dimensional_packing_status", "max_touched_rows", "second_moment",
     "bias_correction",
-)
+])
 # What decides the optimizer's state (which slots, of which shapes): fixed once it is built.
 _STATE_DEFINING = frozenset(
     ["lazy_adam", "use_gradient_accumulation", "slot_variable_creation_fn", "second_moment", "bias_correction"]

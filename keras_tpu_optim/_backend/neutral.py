@@ -53,21 +53,31 @@ def adafactor_step(optimizer, gradient, variable, learning_rate, reductions=adaf
     state = optimizer._state_of(variable)
     step = optimizer.iterations + 1
     options = optimizer._options
-    delta, new_slots, new_momentum = adafactor_math.adafactor_update(
-        ops.cast(gradient, "float32"),
-        ops.cast(variable, "float32"),
-        tuple(s.value for s in state.slots),
+    delta, new_slots, new_momentum = adafactor_results(
+        gradient, variable, tuple(s.value for s in state.slots),
         None if state.momentum is None else state.momentum.value,
-        learning_rate=ops.cast(learning_rate, "float32"),
-        step=ops.cast(step, "float32"),
-        options=options,
-        reductions=reductions,
-        factored_axes=options.factored_axes(variable.shape),
+        learning_rate=learning_rate, step=step, options=options, reductions=reductions,
     )
     assign_update(
         variable, delta, state.slots, new_slots, state.momentum, new_momentum,
         assign=optimizer.assign, assign_sub=optimizer.assign_sub,
         round_to=variable_rounding(options, step, _private.variable_index(optimizer, variable), variable.shape),
+    )
+
+
+def adafactor_results(gradient, variable, slots, momentum, *, learning_rate, step, options, reductions):
+    """`adafactor_math.adafactor_update` on a step's tensors (the slots and momentum already read): float32
+    inputs, the factored axes of the variable's shape. Returns `(delta, new_slots, new_momentum)`."""
+    return adafactor_math.adafactor_update(
+        ops.cast(gradient, "float32"),
+        ops.cast(variable, "float32"),
+        tuple(slots),
+        momentum,
+        learning_rate=ops.cast(learning_rate, "float32"),
+        step=ops.cast(step, "float32"),
+        options=options,
+        reductions=reductions,
+        factored_axes=options.factored_axes(variable.shape),
     )
 
 

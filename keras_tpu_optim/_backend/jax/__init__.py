@@ -105,16 +105,9 @@ def _adafactor_update(structure, reductions):
         options = adafactor_math.joined_options(structure, option_values)
         variable, slots = values[0], values[1 : len(values) - (options.beta_1 is not None)]
         momentum = values[-1] if options.beta_1 is not None else None
-        delta, new_slots, new_momentum = adafactor_math.adafactor_update(
-            ops.cast(gradient, "float32"),
-            ops.cast(variable, "float32"),
-            slots,
-            momentum,
-            learning_rate=ops.cast(learning_rate, "float32"),
-            step=ops.cast(step, "float32"),
-            options=options,
-            reductions=reductions,
-            factored_axes=options.factored_axes(variable.shape),
+        delta, new_slots, new_momentum = neutral.adafactor_results(
+            gradient, variable, slots, momentum,
+            learning_rate=learning_rate, step=step, options=options, reductions=reductions,
         )
         if momentum is not None:
             new_slots = (*new_slots, ops.cast(new_momentum, momentum.dtype))

@@ -143,16 +143,10 @@ def _blocked_update(structure):
 def _assigning_update(structure, reductions):
     def update(grad, variable, slots, momentum, learning_rate, step, variable_index, option_values):
         options = adafactor_math.joined_options(structure, option_values)
-        delta, new_slots, new_momentum = adafactor_math.adafactor_update(
-            tf.cast(grad, tf.float32),
-            tf.cast(variable, tf.float32),
-            tuple(tf.convert_to_tensor(s) for s in slots),
+        delta, new_slots, new_momentum = neutral.adafactor_results(
+            grad, variable, tuple(tf.convert_to_tensor(s) for s in slots),
             None if momentum is None else tf.convert_to_tensor(momentum),
-            learning_rate=tf.cast(learning_rate, tf.float32),
-            step=tf.cast(step, tf.float32),
-            options=options,
-            reductions=reductions,
-            factored_axes=options.factored_axes(variable.shape),
+            learning_rate=learning_rate, step=step, options=options, reductions=reductions,
         )
         neutral.assign_update(
             variable, delta, slots, new_slots, momentum, new_momentum,
