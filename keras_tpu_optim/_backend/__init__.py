@@ -30,6 +30,12 @@ functions; the optimizers call them and never ask which backend runs:
 - `state_creation_scope()`: the context `build` creates the optimizer's state
   in (TF: out of a function being traced, so that each variable is created
   and initialised once, eagerly, not as a traced initializer function).
+- `trained_lookup(ids, state, iterations, row_update_arguments, *, lazy,
+  accumulate_duplicates, owner)`: `layers.Embedding`'s lookup of the rows
+  `ids` of `state[0]`, whose backward pass applies EmbeddingAdam's row update
+  to the rows looked up (`state` is the table and its slots, `iterations` the
+  float32 step count, `row_update_arguments(step) -> (learning_rate,
+  options)`) and returns `iterations + 1` as the gradient of `iterations`.
 
 Kernels measured on one platform are chosen by platform (a variable's, from
 `platform_of`), and the neutral `keras.ops` form runs everywhere else
@@ -62,6 +68,7 @@ INTERFACE = (
     "cond",
     "adafactor_reductions",
     "state_creation_scope",
+    "trained_lookup",
 )
 
 

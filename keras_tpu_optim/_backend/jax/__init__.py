@@ -221,3 +221,40 @@ def _eager_accumulated_apply(optimizer, grads, variables):
         frequency = optimizer.ema_overwrite_frequency
         if frequency and (int(optimizer.iterations) + 1) % frequency == 0:
             _private.overwrite_with_moving_averages(optimizer)
+
+
+def trained_lookup(ids, state, iterations, row_update_arguments, *, lazy, accumulate_duplicates, owner):
+    """The rows of `state[0]` at `ids`; the backward pass returns, as the gradients of the table, its slots and
+    `iterations`, their values after the row update (Keras's `overwrite_with_gradient` installs them).
+
+    `state` is the table and its slots (`(table, momenta, velocities[, row_steps])`), `iterations` the float32
+    step count, `row_update_arguments(step) -> (learning_rate, options)` the row update's arguments. A JAX
+    gradient cannot update a variable in place; under `jax.jit` with donated state (Keras's trainer) the
+    scatters of the new rows reuse the table's and slots' buffers. Out-of-range ids gather as Keras's `take`
+    does and update nothing.
+    """
+
+    @jax.custom_vjp
+    def lookup(ids, step, *tables):
+        return ops.take(tables[0], ids, axis=0)
+
+    def forward(ids, step, *tables):
+        return lookup(ids, step, *tables), (ids, step, tables)
+
+    def backward(residuals, row_gradients):
+        ids, step, tables = residuals
+        flat_ids = ids.reshape(-1)
+        values = row_gradients.reshape((flat_ids.shape[0],) + tuple(tables[0].shape[1:]))
+        learning_rate, options = row_update_arguments(step)
+        update_rows = functools.partial(neutral.update_rows_in_float32, learning_rate=learning_rate, options=options)
+        if lazy:
+            new_tables = rows.sparse_row_update(
+                update_rows, flat_ids, values, tables, accumulate_duplicates=accumulate_duplicates
+            )
+        else:
+            gradient = jax.numpy.zeros(tables[0].shape, values.dtype).at[flat_ids].add(values, mode="drop")
+            new_tables = update_rows(gradient, *tables)
+        return (None, step + 1, *(new.astype(t.dtype) for new, t in zip(new_tables, tables)))
+
+    lookup.defvjp(forward, backward)
+    return lookup(ids, iterations.value, *(t.value for t in state))

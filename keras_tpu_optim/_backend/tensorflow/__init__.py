@@ -6,6 +6,7 @@ import contextlib
 import functools
 
 import tensorflow as tf
+from keras import ops
 
 from keras_tpu_optim import _private
 from keras_tpu_optim._backend import neutral
@@ -88,3 +89,46 @@ def apply_gradients(optimizer, grads, variables, keras_apply):
         keras_apply(grads, variables)
         return
     neutral.accumulated_apply(optimizer, grads, variables, rows=accumulation.for_owner(optimizer))
+
+
+def trained_lookup(ids, state, iterations, row_update_arguments, *, lazy, accumulate_duplicates, owner):
+    """The rows of `state[0]` at `ids`; the backward pass updates the rows looked up (and their slots) in place
+    and returns `iterations + 1` as the gradient of `iterations` (see `keras_tpu_optim._backend`).
+
+    The table and slots are not trainable: only `iterations` connects the lookup to the gradient tape.
+    """
+    looked_up = ops.take(state[0].value, ids, axis=0)
+
+    @tf.custom_gradient
+    def hooked(looked_up, step):
+        def gradient(row_gradients):
+            _update_looked_up_rows(
+                owner, state, ids, row_gradients, step, row_update_arguments,
+                lazy=lazy, accumulate_duplicates=accumulate_duplicates,
+            )
+            return None, step + 1
+
+        return tf.identity(looked_up), gradient
+
+    return hooked(looked_up, tf.convert_to_tensor(iterations.value))
+
+
+def _update_looked_up_rows(owner, state, ids, row_gradients, step, row_update_arguments, *, lazy, accumulate_duplicates):
+    table, slots = state[0], state[1:]
+    flat_ids = tf.reshape(ids, [-1])
+    values = tf.reshape(row_gradients, tf.concat([tf.shape(flat_ids), tf.shape(table.value)[1:]], 0))
+    learning_rate, options = row_update_arguments(step)
+    if not lazy:
+        gradient = tf.math.unsorted_segment_sum(values, flat_ids, table.shape[0])
+        update_rows = functools.partial(neutral.update_rows_in_float32, learning_rate=learning_rate, options=options)
+        neutral.dense_row_update(update_rows, gradient, table, slots)
+        return
+    gradient = tf.IndexedSlices(values, flat_ids, tf.shape(table.value, out_type=flat_ids.dtype))
+    if rows.compiled_update_applies(gradient):
+        rows.compiled_lazy_row_update(
+            owner, neutral.update_rows_in_float32, options, learning_rate, gradient, table, slots,
+            accumulate_duplicates=accumulate_duplicates,
+        )
+        return
+    update_rows = functools.partial(neutral.update_rows_in_float32, learning_rate=learning_rate, options=options)
+    rows.lazy_row_update(update_rows, gradient, table, slots, accumulate_duplicates=accumulate_duplicates)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import weakref
 
+import torch
 from keras import ops
 
 from keras_tpu_optim import _private
@@ -100,3 +101,45 @@ def apply_gradients(optimizer, grads, variables, keras_apply):
         keras_apply(grads, variables)
         return
     neutral.accumulated_apply(optimizer, grads, variables, rows=accumulation)
+
+
+def trained_lookup(ids, state, iterations, row_update_arguments, *, lazy, accumulate_duplicates, owner):
+    """The rows of `state[0]` at `ids`; the backward pass updates the rows looked up (and their slots) in place
+    and returns `iterations + 1` as the gradient of `iterations` (see `keras_tpu_optim._backend`)."""
+    update = functools.partial(
+        _update_looked_up_rows,
+        [t.value for t in state],
+        row_update_arguments,
+        lazy=lazy,
+        accumulate_duplicates=accumulate_duplicates,
+    )
+    return _TrainedLookup.apply(ids, iterations.value, state[0].value, update)
+
+
+class _TrainedLookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, step, table, update):
+        ctx.update = update
+        ctx.save_for_backward(ids, step)
+        return ops.take(table, ids, axis=0)
+
+    @staticmethod
+    def backward(ctx, row_gradients):
+        ids, step = ctx.saved_tensors
+        with torch.no_grad():
+            ctx.update(ids, row_gradients, step)
+        return None, step + 1, None, None
+
+
+def _update_looked_up_rows(targets, row_update_arguments, ids, row_gradients, step, *, lazy, accumulate_duplicates):
+    flat_ids = ids.reshape(-1).long()
+    values = row_gradients.reshape((flat_ids.shape[0],) + tuple(targets[0].shape[1:]))
+    learning_rate, options = row_update_arguments(step)
+    update_rows = functools.partial(neutral.update_rows_in_float32, learning_rate=learning_rate, options=options)
+    if not lazy:
+        gradient = torch.zeros(targets[0].shape, dtype=values.dtype, device=values.device).index_add_(0, flat_ids, values)
+        for target, value in zip(targets, update_rows(gradient, *targets)):
+            target.copy_(value)
+        return
+    unique_ids, grad_rows = rows.unique_rows(flat_ids, values, accumulate_duplicates)
+    rows.update_in_place(update_rows, unique_ids, grad_rows, targets)

@@ -50,7 +50,11 @@ def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplic
     else:
         ids = touched_rows(gradient)
         grad_rows = gradient.index_select(0, ids)
-    targets = [variable.value] + [s.value for s in slots]
+    update_in_place(update_rows, ids, grad_rows, [variable.value] + [s.value for s in slots])
+
+
+def update_in_place(update_rows, ids, grad_rows, targets):
+    """Gather the rows `ids` (unique) of the tensors `targets`, update them, copy them back."""
     new_rows = update_rows(grad_rows, *(t.index_select(0, ids) for t in targets))
     for target, rows in zip(targets, new_rows):
         target.index_copy_(0, ids, rows.to(target.dtype))

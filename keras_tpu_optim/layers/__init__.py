@@ -1,0 +1,5 @@
+"""Layers whose variables are trained by their own optimizer, inside the model's training step."""
+
+from keras_tpu_optim.layers.embedding import Embedding
+
+__all__ = ["Embedding"]

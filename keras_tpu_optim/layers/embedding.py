@@ -1,0 +1,216 @@
+"""`keras.layers.Embedding` whose table is trained in the backward pass of its lookup, by its own `EmbeddingAdam`."""
+
+from __future__ import annotations
+
+import keras
+from keras import ops
+
+from keras_tpu_optim import _backend, _private
+from keras_tpu_optim._math import embedding_adam as adam_math
+from keras_tpu_optim.embedding_adam import EmbeddingAdam
+
+# The layer optimizer's options that cannot keep their meaning when the table is updated in the
+# backward pass of one lookup, with why: each raises a `ValueError` naming it.
+_UNSUPPORTED = {
+    "use_ema": "the moving average of the table would need a pass over every row each step",
+    "gradient_accumulation_steps": "the table is updated in the backward pass of every step",
+    "clipnorm": "the norm of the table's gradient is not known to one lookup",
+    "global_clipnorm": "the norm of the model's gradients is not known to one lookup",
+    "loss_scale_factor": "the lookup's gradient arrives unscaled",
+    "skip_nonfinite_updates": "the rest of the model's gradients are not known to one lookup",
+    "slot_variable_creation_fn": "the layer creates and saves the table's slots itself",
+}
+
+
+def _check_optimizer(optimizer):
+    if optimizer is None:
+        return None
+    if not isinstance(optimizer, EmbeddingAdam):
+        raise ValueError(
+            "Argument `optimizer` must be None or a `keras_tpu_optim.EmbeddingAdam`. "
+            f"Received: optimizer={optimizer!r}"
+        )
+    for name, why in _UNSUPPORTED.items():
+        if getattr(optimizer, name, None):
+            raise ValueError(
+                f"keras_tpu_optim.layers.Embedding: its optimizer's `{name}` is not supported ({why}). "
+                f"Received: {name}={getattr(optimizer, name)!r}"
+            )
+    return optimizer
+
+
+@keras.saving.register_keras_serializable(package="keras_tpu_optim")
+class Embedding(keras.layers.Embedding):
+    """`keras.layers.Embedding`, optionally trained by its own `EmbeddingAdam` at the cost of the rows looked up.
+
+    With `optimizer=None` this is `keras.layers.Embedding`: the model's
+    optimizer trains the table from its (on JAX and torch, dense) gradient.
+
+    With `optimizer=kto.EmbeddingAdam(...)` the table and that optimizer's
+    state are updated in the backward pass of the lookup, from the looked-up
+    ids and the gradient of the looked-up rows: each training step reads and
+    writes only the rows looked up (and their slots), and no table-sized
+    gradient is ever formed. The numbers are those of the same
+    `EmbeddingAdam` applied to the table's gradient (duplicate ids summed, or
+    the last occurrence kept with `use_gradient_accumulation=False`;
+    `clipvalue`, weight clipping and decay, `second_moment`,
+    `bias_correction`, learning-rate schedules). The model's optimizer never
+    sees the table: it keeps no state for it, and its gradient clipping does
+    not include it. `evaluate` and `predict` only look rows up.
+
+    The state lives in the layer, saved with it (`model.save`, checkpoints):
+    `embeddings`, `iterations` (the table's step count, advanced once per
+    training step: float32, exact up to 2^24 steps), the float32 slots
+    `momenta` and `velocities` (`(input_dim,)` with
+    `second_moment="rowwise"`), and with `bias_correction="per_row"` a
+    float32 `row_steps`. `iterations` is the layer's trainable variable,
+    which the model's optimizer overwrites with the value the lookup's
+    backward pass computes for it (`overwrite_with_gradient`); on JAX, whose
+    gradients cannot update state in place, the table and slots are
+    overwritten the same way (under `jax.jit` with donated state, as Keras's
+    trainer runs it, in place).
+
+    Requirements, each checked where it can be: the layer is called once per
+    training step (to look up several id tensors, concatenate them); the
+    table is read only through the layer; the optimizer has no `use_ema`,
+    `gradient_accumulation_steps`, `clipnorm`, `global_clipnorm`,
+    `loss_scale_factor`, `skip_nonfinite_updates` or
+    `slot_variable_creation_fn`; the table has no `embeddings_regularizer`,
+    `embeddings_constraint`, LoRA or quantization; the model's optimizer does
+    not scale the loss or accumulate gradients over steps (no
+    `LossScaleOptimizer`, no `mixed_float16` policy, no
+    `gradient_accumulation_steps`).
+
+    Args:
+        input_dim, output_dim, embeddings_initializer, embeddings_regularizer,
+        embeddings_constraint, mask_zero, weights, lora_rank, lora_alpha: as
+            for `keras.layers.Embedding`.
+        optimizer: None, or a `keras_tpu_optim.EmbeddingAdam` that trains the
+            table in the lookup's backward pass. Only its configuration is
+            used; the layer keeps the state.
+    """
+
+    def __init__(self, input_dim, output_dim, *args, optimizer=None, **kwargs):
+        self._table_optimizer = _check_optimizer(optimizer)
+        if self._table_optimizer is not None:
+            for argument in ("embeddings_regularizer", "embeddings_constraint", "lora_rank", "quantization_config"):
+                if kwargs.get(argument) is not None:
+                    raise ValueError(
+                        f"keras_tpu_optim.layers.Embedding: `{argument}` cannot be combined with `optimizer` "
+                        "(the table is updated row by row in the lookup's backward pass). "
+                        f"Received: {argument}={kwargs[argument]!r}"
+                    )
+            policy = keras.dtype_policies.get(kwargs.get("dtype")) if kwargs.get("dtype") else None
+            if (policy or keras.config.dtype_policy()).name == "mixed_float16":
+                raise ValueError(
+                    "keras_tpu_optim.layers.Embedding with `optimizer`: the `mixed_float16` policy makes Keras "
+                    "scale the loss (LossScaleOptimizer), which would scale the table's updates. Use "
+                    "`mixed_bfloat16`, or this layer without `optimizer`."
+                )
+        super().__init__(input_dim, output_dim, *args, **kwargs)
+
+    @property
+    def optimizer(self):
+        """The `EmbeddingAdam` that trains the table in the lookup's backward pass, or None."""
+        return self._table_optimizer
+
+    def build(self, input_shape=None):
+        if self._table_optimizer is None:
+            return super().build(input_shape)
+        if self.built:
+            return
+        _check_optimizer(self._table_optimizer)
+        # JAX updates state only through gradients: there every state variable is "trained" by
+        # being overwritten with the value the lookup's backward pass computes for it.
+        in_gradients = keras.backend.backend() == "jax"
+        state = dict(trainable=in_gradients, overwrite_with_gradient=in_gradients)
+        rows = (self.input_dim,)
+        self._embeddings = self.add_weight(
+            shape=(self.input_dim, self.output_dim),
+            initializer=self.embeddings_initializer,
+            name="embeddings",
+            **state,
+        )
+        self.iterations = self.add_weight(
+            shape=(), initializer="zeros", dtype="float32", name="iterations",
+            trainable=True, overwrite_with_gradient=True,
+        )
+        rowwise = self._table_optimizer.second_moment == "rowwise"
+        self.momenta = self.add_weight(
+            shape=(self.input_dim, self.output_dim), initializer="zeros", dtype="float32", name="momenta", **state
+        )
+        self.velocities = self.add_weight(
+            shape=rows if rowwise else (self.input_dim, self.output_dim),
+            initializer="zeros", dtype="float32", name="velocities", **state,
+        )
+        self.row_steps = None
+        if self._table_optimizer.bias_correction == "per_row":
+            self.row_steps = self.add_weight(
+                shape=rows, initializer="zeros", dtype="float32", name="row_steps", **state
+            )
+        self.built = True
+
+    def _row_state(self):
+        """The table and its slots, in the order of the row update's `options.slot_names`."""
+        slots = (self.momenta, self.velocities) + (() if self.row_steps is None else (self.row_steps,))
+        return (self._embeddings,) + slots
+
+    def _row_update_arguments(self, step):
+        """`(learning_rate, options)` of the row update after `step` updates (`neutral.update_rows_in_float32`)."""
+        optimizer = self._table_optimizer
+        _check_optimizer(optimizer)  # Hyperparameters may have been set since the layer was built.
+        learning_rate = ops.cast(_private.learning_rate_at(optimizer, step), "float32")
+        if optimizer.bias_correction == "global":
+            learning_rate = adam_math.bias_corrected_learning_rate(
+                learning_rate, ops.cast(step, "float32") + 1.0, optimizer.beta_1, optimizer.beta_2
+            )
+        return learning_rate, optimizer._row_update_options(self._embeddings)
+
+    def call(self, inputs, training=None):
+        if self._table_optimizer is None or not training or not self.trainable:
+            return super().call(inputs)
+        if inputs.dtype != "int32" and inputs.dtype != "int64":
+            inputs = ops.cast(inputs, "int32")
+        optimizer = self._table_optimizer
+        outputs = _backend.get().trained_lookup(
+            inputs,
+            self._row_state(),
+            self.iterations,
+            self._row_update_arguments,
+            lazy=optimizer.lazy_adam,
+            accumulate_duplicates=optimizer.use_gradient_accumulation,
+            owner=self,
+        )
+        return ops.cast(outputs, dtype=self.compute_dtype)
+
+    def save_own_variables(self, store):
+        if self._table_optimizer is None:
+            return super().save_own_variables(store)
+        for i, variable in enumerate((self._embeddings, self.iterations) + self._row_state()[1:]):
+            store[str(i)] = variable
+
+    def load_own_variables(self, store):
+        if self._table_optimizer is None:
+            return super().load_own_variables(store)
+        variables = (self._embeddings, self.iterations) + self._row_state()[1:]
+        if len(store.keys()) != len(variables):
+            raise ValueError(
+                f"Layer '{self.name}' expected {len(variables)} variables (the table, its step count and slots), "
+                f"but received {len(store.keys())} variables during loading."
+            )
+        for i, variable in enumerate(variables):
+            variable.assign(store[str(i)])
+
+    def get_config(self):
+        config = super().get_config()
+        config["optimizer"] = (
+            None if self._table_optimizer is None else keras.optimizers.serialize(self._table_optimizer)
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        if config.get("optimizer") is not None:
+            config["optimizer"] = keras.optimizers.deserialize(config["optimizer"])
+        return super().from_config(config)

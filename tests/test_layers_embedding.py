@@ -1,0 +1,276 @@
+"""`keras_tpu_optim.layers.Embedding`: the table trained in the lookup's backward pass, on every backend.
+
+References, written independently of the layer: the numpy EmbeddingAdam
+(tests/reference) fed the gradient of the looked-up rows computed in numpy
+from the model's formula, and Keras's own optimizers for the rest of a mixed
+model, fed the same numpy gradients.
+"""
+
+import numpy as np
+import pytest
+
+import keras
+
+import keras_tpu_optim as kto
+from _kto_models import custom_training_loop
+from reference.numpy_embedding_adam import NumpyEmbeddingAdam
+
+BACKEND = keras.backend.backend()
+ROWS, DIM, BATCH, K = 40, 4, 6, 3
+# Duplicates within a step and across steps; rows 12 and up are never looked up.
+STEP_IDS = [
+    [[0, 3, 3], [5, 0, 7], [3, 3, 1], [11, 2, 2], [9, 9, 9], [4, 0, 6]],
+    [[7, 7, 1], [1, 10, 8], [0, 0, 0], [2, 3, 4], [5, 6, 7], [8, 9, 10]],
+    [[11, 11, 3], [6, 6, 6], [1, 1, 2], [3, 0, 5], [10, 4, 4], [2, 2, 2]],
+]
+
+
+def initial_table():
+    return np.random.RandomState(0).normal(size=(ROWS, DIM)).astype("float32")
+
+
+def targets(step, shape):
+    return np.random.RandomState(100 + step).normal(size=shape).astype("float32")
+
+
+def numpy_of(x):
+    return keras.ops.convert_to_numpy(x).astype(np.float64)
+
+
+OPTION_CASES = {
+    "default": {},
+    "clipping_and_decay": {
+        "clipvalue": 0.02, "clip_weight_min": -1.0, "clip_weight_max": 1.0, "weight_decay_factor": 0.05,
+        "multiply_weight_decay_factor_by_learning_rate": True,
+    },
+    "last_occurrence": {"use_gradient_accumulation": False, "sum_inside_sqrt": False},
+    "rowwise_per_row": {"second_moment": "rowwise", "bias_correction": "per_row"},
+    "schedule_keras_decay": {
+        "learning_rate": keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=1, decay_rate=0.5),
+        "weight_decay": 0.1,
+    },
+    "not_lazy": {"lazy_adam": False},
+}
+
+
+def reference_arguments(options):
+    options = dict(options)
+    schedule = options.get("learning_rate")
+    if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
+        options["learning_rate"] = lambda step: 0.05 * 0.5**step
+    if "weight_decay" in options:  # Keras's keyword: the decay multiplied by the learning rate
+        options["weight_decay_factor"] = options.pop("weight_decay")
+        options["multiply_weight_decay_factor_by_learning_rate"] = True
+    options.setdefault("learning_rate", 0.05)
+    return options
+
+
+def table_model(options):
+    optimizer = kto.EmbeddingAdam(**{"learning_rate": 0.05, **options})
+    layer = kto.layers.Embedding(
+        ROWS, DIM, optimizer=optimizer, embeddings_initializer=keras.initializers.Constant(initial_table())
+    )
+    ids = keras.Input((K,), dtype="int32")
+    model = keras.Model(ids, layer(ids))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model, layer
+
+
+def layer_state(layer):
+    state = {"embeddings": layer.embeddings, "momenta": layer.momenta, "velocities": layer.velocities}
+    if layer.row_steps is not None:
+        state["row_steps"] = layer.row_steps
+    return {name: numpy_of(value) for name, value in state.items()}
+
+
+def assert_matches(layer, reference, before=None, looked_up=()):
+    state = layer_state(layer)
+    np.testing.assert_allclose(state["embeddings"], reference.weights, rtol=2e-6, atol=2e-7)
+    np.testing.assert_allclose(state["momenta"], reference.momenta, rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(state["velocities"], reference.velocities, rtol=1e-5, atol=1e-12)
+    if "row_steps" in state:
+        np.testing.assert_array_equal(state["row_steps"], reference.row_steps)
+    assert float(numpy_of(layer.iterations)) == reference.iterations
+    if before is not None and reference.lazy_adam:
+        untouched = np.setdiff1d(np.arange(ROWS), np.asarray(looked_up))
+        for name, value in state.items():
+            np.testing.assert_array_equal(value[untouched], before[name][untouched])
+
+
+@pytest.mark.parametrize("case", list(OPTION_CASES))
+def test_table_matches_numpy_embedding_adam(case):
+    """`train_on_batch` on a model whose loss is the MSE of the looked-up rows: the numpy reference, fed
+    `d loss / d rows = 2 (rows - y) / (rows * dim)` at the looked-up ids, gives the table and slots."""
+    options = OPTION_CASES[case]
+    model, layer = table_model(options)
+    reference = NumpyEmbeddingAdam(initial_table(), **reference_arguments(options))
+    for step, ids in enumerate(STEP_IDS):
+        ids = np.asarray(ids, np.int32)
+        y = targets(step, (BATCH, K, DIM))
+        gradient = 2 * (reference.weights[ids].astype(np.float64) - y) / (BATCH * K * DIM)
+        before = layer_state(layer)
+        model.train_on_batch(ids, y)
+        reference.apply_sparse(ids.reshape(-1), gradient.reshape(-1, DIM))
+        assert_matches(layer, reference, before, ids)
+    # The model's optimizer sees only the step count, overwritten: it keeps no state for the table.
+    assert [v.path.split("/")[-1] for v in model.optimizer.variables] == ["iteration", "learning_rate"]
+
+
+def pooled_model(layer, head_optimizer):
+    ids = keras.Input((K,), dtype="int32")
+    pooled = keras.ops.mean(layer(ids), axis=1)
+    head = keras.layers.Dense(1, kernel_initializer="glorot_uniform", name="head")
+    model = keras.Model(ids, head(pooled))
+    model.compile(optimizer=head_optimizer, loss="mse")
+    return model, head
+
+
+HEAD_OPTIMIZERS = {
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "ours_adafactor": lambda: kto.Adafactor(learning_rate=0.01),
+}
+
+
+def head_reference_optimizer(name):
+    """Keras's own optimizer with the same numbers (ours matches Keras's Adafactor: tests/test_adafactor.py)."""
+    if name == "ours_adafactor":
+        return keras.optimizers.Adafactor(learning_rate=0.01)
+    return HEAD_OPTIMIZERS[name]()
+
+
+@pytest.mark.parametrize("head_optimizer", list(HEAD_OPTIMIZERS))
+def test_mixed_model_in_fit(head_optimizer):
+    """ids -> table (ours, its own EmbeddingAdam) -> mean over the ids -> Dense head (the model's optimizer),
+    trained by `fit`: the table against the numpy EmbeddingAdam, the head against Keras's optimizer, both fed
+    the gradients of the MSE computed in numpy."""
+    layer = kto.layers.Embedding(
+        ROWS, DIM, optimizer=kto.EmbeddingAdam(0.05, clipvalue=0.5),
+        embeddings_initializer=keras.initializers.Constant(initial_table()),
+    )
+    model, head = pooled_model(layer, HEAD_OPTIMIZERS[head_optimizer]())
+    ids = np.concatenate([np.asarray(s, np.int32) for s in STEP_IDS])
+    y = targets(0, (len(ids), 1))
+    kernel, bias = numpy_of(head.kernel), numpy_of(head.bias)
+    reference = NumpyEmbeddingAdam(initial_table(), learning_rate=0.05, clipvalue=0.5)
+    reference_kernel = keras.Variable(kernel.astype("float32"))
+    reference_bias = keras.Variable(bias.astype("float32"))
+    reference_head = head_reference_optimizer(head_optimizer)
+    for start in range(0, len(ids), BATCH):
+        batch_ids, batch_y = ids[start : start + BATCH], y[start : start + BATCH]
+        rows = reference.weights[batch_ids].astype(np.float64)
+        pooled = rows.mean(axis=1)
+        w, b = numpy_of(reference_kernel), numpy_of(reference_bias)
+        d_prediction = 2 * (pooled @ w + b - batch_y) / len(batch_ids)
+        d_rows = np.repeat((d_prediction @ w.T)[:, None, :] / K, K, axis=1)
+        reference.apply_sparse(batch_ids.reshape(-1), d_rows.reshape(-1, DIM))
+        reference_head.apply(
+            [keras.ops.convert_to_tensor(g, "float32") for g in (pooled.T @ d_prediction, d_prediction.sum(axis=0))],
+            [reference_kernel, reference_bias],
+        )
+    model.fit(ids, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert_matches(layer, reference)
+    np.testing.assert_allclose(numpy_of(head.kernel), numpy_of(reference_kernel), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(numpy_of(head.bias), numpy_of(reference_bias), rtol=1e-5, atol=1e-6)
+    # The head's optimizer keeps state for the head alone.
+    table_state = [v for v in model.optimizer.variables if "embedding" in v.path]
+    assert not table_state, [v.path for v in table_state]
+
+
+def test_custom_train_step_evaluate_and_predict():
+    """A hand-written training step (Keras's guides, per backend) trains the table as `fit` does; `evaluate` and
+    `predict` only look rows up."""
+    model, layer = table_model({})
+    reference = NumpyEmbeddingAdam(initial_table(), learning_rate=0.05)
+    batches = []
+    for step, ids in enumerate(STEP_IDS):
+        ids = np.asarray(ids, np.int32)
+        y = targets(step, (BATCH, K, DIM))
+        gradient = 2 * (reference.weights[ids].astype(np.float64) - y) / (BATCH * K * DIM)
+        reference.apply_sparse(ids.reshape(-1), gradient.reshape(-1, DIM))
+        batches.append((ids, y))
+    custom_training_loop(model, model.optimizer, keras.losses.MeanSquaredError(), batches)
+    assert_matches(layer, reference)
+    before = layer_state(layer)
+    model.evaluate(batches[0][0], batches[0][1], verbose=0)
+    predicted = model.predict(batches[0][0], verbose=0)
+    np.testing.assert_allclose(predicted, reference.weights[batches[0][0]], rtol=1e-6)
+    for name, value in layer_state(layer).items():
+        np.testing.assert_array_equal(value, before[name])
+    assert float(numpy_of(layer.iterations)) == len(STEP_IDS)
+
+
+def test_optimizer_none_is_keras_embedding():
+    """Without `optimizer` the layer is `keras.layers.Embedding`: the same variables, and the same numbers
+    trained by the model's optimizer."""
+    results = []
+    for layer_class in (keras.layers.Embedding, kto.layers.Embedding):
+        layer = layer_class(ROWS, DIM, embeddings_initializer=keras.initializers.Constant(initial_table()), mask_zero=True)
+        ids = keras.Input((K,), dtype="int32")
+        model = keras.Model(ids, layer(ids))
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+        for step, batch in enumerate(STEP_IDS):
+            model.train_on_batch(np.asarray(batch, np.int32), targets(step, (BATCH, K, DIM)))
+        results.append(([v.path.split("/")[-1] for v in layer.weights], numpy_of(layer.embeddings)))
+        mask = layer.compute_mask(np.asarray(STEP_IDS[0], np.int32))
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(mask), np.asarray(STEP_IDS[0]) != 0)
+    assert results[0][0] == results[1][0] == ["embeddings"]
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
+def test_save_and_load_resume_exactly(tmp_path):
+    """`model.save` / `keras.saving.load_model` restore the table, the step count, the slots and the layer
+    optimizer's configuration; training the loaded model continues with the numbers of the original."""
+    options = {"clipvalue": 0.02, "bias_correction": "per_row", "second_moment": "rowwise"}
+    model, layer = table_model(options)
+    for step in range(2):
+        model.train_on_batch(np.asarray(STEP_IDS[step], np.int32), targets(step, (BATCH, K, DIM)))
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    loaded_layer = loaded.layers[1]
+    assert isinstance(loaded_layer, kto.layers.Embedding)
+    assert loaded_layer.optimizer.get_config() == layer.optimizer.get_config()
+    for model_ in (model, loaded):
+        model_.train_on_batch(np.asarray(STEP_IDS[2], np.int32), targets(2, (BATCH, K, DIM)))
+    for name, value in layer_state(layer).items():
+        np.testing.assert_array_equal(layer_state(loaded_layer)[name], value)
+    assert float(numpy_of(loaded_layer.iterations)) == 3.0
+
+
+@pytest.mark.parametrize(
+    "arguments, named",
+    [
+        ({"optimizer": "adam"}, "optimizer"),
+        ({"optimizer": kto.EmbeddingAdam(use_ema=True)}, "use_ema"),
+        ({"optimizer": kto.EmbeddingAdam(gradient_accumulation_steps=2)}, "gradient_accumulation_steps"),
+        ({"optimizer": kto.EmbeddingAdam(clipnorm=1.0)}, "clipnorm"),
+        ({"optimizer": kto.EmbeddingAdam(global_clipnorm=1.0)}, "global_clipnorm"),
+        ({"optimizer": kto.EmbeddingAdam(skip_nonfinite_updates=True)}, "skip_nonfinite_updates"),
+        ({"optimizer": kto.EmbeddingAdam(), "embeddings_regularizer": "l2"}, "embeddings_regularizer"),
+        ({"optimizer": kto.EmbeddingAdam(), "embeddings_constraint": "non_neg"}, "embeddings_constraint"),
+        ({"optimizer": kto.EmbeddingAdam(), "dtype": "mixed_float16"}, "mixed_float16"),
+    ],
+)
+def test_unsupported_options_raise_naming_them(arguments, named):
+    with pytest.raises(ValueError, match=named):
+        kto.layers.Embedding(ROWS, DIM, **arguments)
+
+
+def test_option_set_after_construction_is_checked_at_the_next_step():
+    model, layer = table_model({})
+    layer.optimizer.use_ema = True
+    with pytest.raises(ValueError, match="use_ema"):
+        model.train_on_batch(np.asarray(STEP_IDS[0], np.int32), targets(0, (BATCH, K, DIM)))
+
+
+def test_public_names_beyond_keras_embedding_are_documented():
+    ours = kto.layers.Embedding(ROWS, DIM, optimizer=kto.EmbeddingAdam(bias_correction="per_row"))
+    ours.build()
+    keras_layer = keras.layers.Embedding(ROWS, DIM)
+    keras_layer.build()
+    public = lambda layer: {name for name in dir(layer) if not name.startswith("_")}
+    added = public(ours) - public(keras_layer)
+    assert added == {"optimizer", "iterations", "momenta", "velocities", "row_steps"}
+    for name in added:
+        assert f"`{name}`" in kto.layers.Embedding.__doc__ or f"    {name}:" in kto.layers.Embedding.__doc__, name
