@@ -122,14 +122,19 @@ def _accumulate_and_update(update_rows, indices, values, targets, i):
     """
     old_rows = [tf.gather(t, indices) for t in targets]
     accumulator, old = targets[i], old_rows[i]
-    # Zeros computed from the old rows (0 for non-finite ones too): with a
-    # constant, XLA cannot see that the gather comes first and copies the
-    # whole table to keep the old rows.
-    zeros = tf.where(tf.math.is_finite(old), old * 0, tf.zeros_like(old))
+    # Zeros computed from the old rows and from the gradient rows (0 for non-finite ones too): with
+    # a constant, XLA cannot see that the reads of the table come first (this gather, and a lookup
+    # whose backward pass this is: `layers.Embedding`) and copies the whole table to keep them.
+    zeros = _zeros_after(old) + tf.cast(_zeros_after(values), old.dtype)
     accumulator.scatter_update(tf.IndexedSlices(zeros, indices))
     accumulator.scatter_add(tf.IndexedSlices(tf.cast(values, accumulator.dtype), indices))
     grad_rows = tf.gather(accumulator, indices)
     _scatter(targets, update_rows(grad_rows, *old_rows), indices)
+
+
+def _zeros_after(x):
+    """Zeros of `x`'s shape that XLA computes from `x` (so after it): 0 where `x` is finite, 0 elsewhere."""
+    return tf.where(tf.math.is_finite(x), x * 0, tf.zeros_like(x))
 
 
 def compiled_update_applies(gradient) -> bool:
