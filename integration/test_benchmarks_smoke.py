@@ -121,3 +121,20 @@ def test_bench_fit_quick(tmp_path, capsys):
 
     run_benchmarks.write_report(str(tmp_path / "report"), quick=True)
     assert "Peak memory of a `fit` step" in (tmp_path / "report" / "benchmarks.md").read_text()
+
+
+@pytest.mark.skipif(BACKEND not in ("tensorflow", "jax", "torch"), reason="benchmarks cover TF, JAX and torch")
+def test_bench_recommender_quick(tmp_path, capsys):
+    stdout, data = _run("bench_recommender.py", tmp_path, capsys, "--steps", "2", "--in-process")
+    assert f"Recommender fit steps ({BACKEND})" in stdout
+    assert "Targets" in stdout
+    measured = {(r["config"], r["rows"]) for r in data["records"]}
+    assert measured == {("layer", 1000), ("layer", 10_000), ("keras_adam", 1000), ("dense_path", 1000)}
+    assert all(t["value"] is not None for t in data["targets"]), data["targets"]
+    (tmp_path / "report").mkdir()
+    with open(tmp_path / "report" / f"recommender_{BACKEND}.json", "w") as f:
+        json.dump(data, f)
+    import run_benchmarks
+
+    run_benchmarks.write_report(str(tmp_path / "report"), quick=True)
+    assert "Tables trained in the lookup" in (tmp_path / "report" / "benchmarks.md").read_text()

@@ -34,12 +34,17 @@ def test_quick_demo_trains_prints_summary_and_writes_figure(tmp_path):
     assert float(ratio["keras.optimizers.Adafactor"]) >= 1.0
     assert float(ratio["keras_tpu_optim.Adafactor"]) < 0.25
 
-    # Part 2: EmbeddingAdam touched a few rows per step, Keras's Adam every row.
-    rows = dict(re.findall(r"^(keras_tpu_optim\.EmbeddingAdam|keras\.optimizers\.Adam)\s+\S+\s+\S+\s+([\d,]+)", out, re.M))
+    # Part 2: the tables trained in the lookup, and EmbeddingAdam as the model's optimizer, touched a few rows
+    # per step, Keras's Adam every row.
+    rows = dict(re.findall(
+        r"^(keras_tpu_optim\.layers\.Embedding|keras_tpu_optim\.EmbeddingAdam|keras\.optimizers\.Adam)\s+\S+\s+\S+\s+([\d,]+)",
+        out, re.M,
+    ))
     assert int(rows["keras.optimizers.Adam"].replace(",", "")) == 20_000
     assert 0 < int(rows["keras_tpu_optim.EmbeddingAdam"].replace(",", "")) < 256
+    assert 0 < int(rows["keras_tpu_optim.layers.Embedding"].replace(",", "")) < 256
     # Beside the TPU's global bias correction, the per-row one (its own line and final loss).
-    per_row = re.search(r"^keras_tpu_optim\.EmbeddingAdam\(per_row\)\s+([\d.]+)\s+[\d.]+\s+([\d,]+)", out, re.M)
+    per_row = re.search(r"^keras_tpu_optim\.layers\.Embedding\(per_row\)\s+([\d.]+)\s+[\d.]+\s+([\d,]+)", out, re.M)
     assert per_row and 0 < int(per_row.group(2).replace(",", "")) < 256, out[-2000:]
     assert f"final loss {per_row.group(1)} against" in out
 

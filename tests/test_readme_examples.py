@@ -22,3 +22,13 @@ def test_jax_bcoo_training_step_example_runs(capsys):
     losses = [float(x) for x in printed[1:6:2]]
     assert losses[2] < losses[0]  # it trains
     assert printed[-1] == "3"  # iterations, read back into the optimizer
+
+
+def test_recommender_example_trains_the_tables_in_fit():
+    namespace = {}
+    exec(compile(_python_block_after("## A recommender: tables trained inside `fit`"), "README.md", "exec"), namespace)
+    users = namespace["users"]
+    assert float(keras.ops.convert_to_numpy(users.iterations)) == 8  # 8192 examples, batches of 1024
+    velocities = keras.ops.convert_to_numpy(users.velocities)
+    touched = set(namespace["ids"][0].tolist())
+    assert set(velocities.any(axis=1).nonzero()[0].tolist()) == touched  # only looked-up rows have state

@@ -1,0 +1,156 @@
+"""`model.fit` steps of a recommender: tables trained in the lookup (`kto.layers.Embedding`) against the peers.
+
+The model: ids of shape (1024, 4), a 64-wide table, the looked-up rows
+mean-pooled, a Dense head; the model compiled with Keras's Adam. Each
+configuration runs in its own process (`KERAS_BACKEND` from the environment):
+
+- `layer`: `kto.layers.Embedding(rows, 64, optimizer=kto.EmbeddingAdam(...))`,
+  the table trained in the lookup's backward pass (at 1M and 10M rows);
+- `keras_adam`: `keras.layers.Embedding` trained by Keras's Adam (the model's
+  optimizer);
+- `dense_path`: `keras.layers.Embedding` trained by `kto.EmbeddingAdam` as the
+  model's optimizer (on JAX and torch `fit` hands it a dense, table-sized
+  gradient).
+
+Per configuration: the median `train_on_batch` step (ms) after a warm-up, and
+the peak RSS of the process over building the model and all its steps, beyond
+the bytes of every weight and optimizer variable (the peak is reset through
+`/proc/self/clear_refs` before the model is built), as a multiple of the
+table's bytes.
+
+Usage: KERAS_BACKEND=jax python integration/bench_recommender.py [--quick] [--steps N] [--json PATH] [--in-process]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import bench_common as bc
+
+DIM, BATCH, IDS_PER_EXAMPLE = 64, 1024, 4
+CONFIGS = ("layer", "keras_adam", "dense_path")
+
+
+def sizes_of(config: str, quick: bool) -> list:
+    if quick:
+        return [1000, 10_000] if config == "layer" else [1000]
+    return [1_000_000, 10_000_000] if config == "layer" else [1_000_000]
+
+
+def worker(config: str, rows: int, steps: int, warmup: int) -> dict:
+    """One configuration in this process: build, warm up, time `steps` steps, report the peak."""
+    import keras
+    import numpy as np
+
+    import keras_tpu_optim as kto
+
+    bc._reset_hwm()
+    before = bc.rss_bytes()
+    ids = keras.Input((IDS_PER_EXAMPLE,), dtype="int32")
+    if config == "layer":
+        table = kto.layers.Embedding(rows, DIM, optimizer=kto.EmbeddingAdam(0.01), name="table")
+    else:
+        table = keras.layers.Embedding(rows, DIM, name="table")
+    output = keras.layers.Dense(1)(keras.ops.mean(table(ids), axis=1))
+    model = keras.Model(ids, output)
+    optimizer = kto.EmbeddingAdam(0.01) if config == "dense_path" else keras.optimizers.Adam(0.01)
+    model.compile(optimizer=optimizer, loss="mse")
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.integers(0, rows, (BATCH, IDS_PER_EXAMPLE)).astype("int32"), rng.normal(size=(BATCH, 1)).astype("float32"))
+        for _ in range(8)
+    ]
+    position = [0]
+
+    def step():
+        x, y = batches[position[0] % len(batches)]
+        position[0] += 1
+        model.train_on_batch(x, y)
+
+    timing = bc.time_steps(step, steps, warmup)
+    peak = bc._hwm_bytes() or bc.rss_bytes()
+    state_bytes = sum(
+        int(np.prod(v.shape)) * np.dtype(keras.backend.standardize_dtype(v.dtype)).itemsize
+        for v in list(model.weights) + list(model.optimizer.variables)
+    )
+    table_bytes = rows * DIM * 4
+    return {
+        "config": config,
+        "rows": rows,
+        "median_ms": timing["median_ms"],
+        "steps_ms": timing["steps_ms"],
+        "table_mb": table_bytes / 2**20,
+        "state_mb": state_bytes / 2**20,
+        "peak_beyond_state_mb": (peak - before - state_bytes) / 2**20,
+        "peak_beyond_state_x_table": (peak - before - state_bytes) / table_bytes,
+    }
+
+
+def run_worker(config: str, rows: int, args) -> dict | None:
+    if args.in_process:
+        return worker(config, rows, args.steps, args.warmup)
+    command = [sys.executable, os.path.abspath(__file__), "--worker", config, "--rows", str(rows),
+               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        print(f"{config} at {rows} rows failed:\n{done.stderr[-3000:]}", flush=True)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def report(backend: str, records: list) -> dict:
+    by = {(r["config"], r["rows"]): r for r in records}
+    rows = [[r["config"], r["rows"], bc.fmt(r["median_ms"], ".2f"), bc.fmt(r["peak_beyond_state_mb"], ".0f"),
+             bc.fmt(r["peak_beyond_state_x_table"], ".3f")] for r in records]
+    bc.print_table(f"Recommender fit steps ({backend})", ["config", "rows", "step ms", "peak MB", "x table"], rows)
+    small, large = sorted({r["rows"] for r in records if r["config"] == "layer"})[:2] if records else (None, None)
+    layer_small, layer_large = by.get(("layer", small)), by.get(("layer", large))
+    adam_small = by.get(("keras_adam", small))
+    ratio = lambda a, b: None if a is None or b is None else a["median_ms"] / b["median_ms"]
+    targets = [
+        bc.target("layer time(10M) / time(1M)", ratio(layer_large, layer_small), 1.3),
+        bc.target("layer / Keras's Adam at 1M", ratio(layer_small, adam_small), 0.05),
+        bc.target("layer peak beyond the state / table bytes at 10M",
+                  None if layer_large is None else layer_large["peak_beyond_state_x_table"], 0.1),
+    ]
+    bc.print_targets(targets)
+    return {"records": records, "targets": targets}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny tables (a smoke run)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--in-process", action="store_true",
+                    help="every configuration in this process, one after another (a smoke run: peaks not comparable)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--rows", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.rows, args.steps, args.warmup)))
+        return 0
+    if args.quick:
+        args.steps, args.warmup = min(args.steps, 3), 1
+    backend = os.environ.get("KERAS_BACKEND", "tensorflow")
+    records = []
+    for config in CONFIGS:
+        for rows in sizes_of(config, args.quick):
+            record = run_worker(config, rows, args)
+            if record is not None:
+                records.append(record)
+                print(f"{config} {rows}: {record['median_ms']:.2f} ms, peak beyond state "
+                      f"{record['peak_beyond_state_mb']:.0f} MB", flush=True)
+    payload = {"bench": "recommender", "backend": backend, "quick": args.quick, "machine": bc.machine_info(),
+               "steps": args.steps, "warmup": args.warmup, **report(backend, records)}
+    bc.write_json(args.json, payload)
+    return 0 if len(records) == sum(len(sizes_of(c, args.quick)) for c in CONFIGS) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
