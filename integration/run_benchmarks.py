@@ -6,7 +6,8 @@ script collects it into `integration/results/benchmarks.md` (markdown tables of
 ratios against the peers, with the date and the machine) and
 `integration/results/benchmarks.png` (bar chart of the step-time ratios). With
 `--quick` everything is small and goes to `integration/results/quick/` so a smoke
-run never overwrites the real report.
+run never overwrites the real report. On JAX the step and `fit` benchmarks run once
+more with the opt-in `keras_tpu_optim.tuning` calls (`TUNED`).
 
 Usage:
     python integration/run_benchmarks.py [--quick] [--backends tensorflow,jax,torch]
@@ -28,47 +29,52 @@ import bench_common as bc  # noqa: E402  (the script's folder is on sys.path)
 BACKENDS = ("tensorflow", "jax", "torch")
 BENCHES = ("adafactor", "embedding_adam", "embedding_options", "fit", "recommender")
 PASS = {True: "PASS", False: "**MISS**", None: "n/a"}
+# JAX again with the opt-in `keras_tpu_optim.tuning` calls (the defaults change nothing process-wide):
+# (bench, the script's extra arguments, the JSON's name).
+TUNED = (
+    ("embedding_adam", ["--only", "[BCOO]", "--sizes", "1M,10M", "--interleave", "--huge-pages"], "embedding_adam_jax_tuned"),
+    ("fit", ["--release-compile-heap", "--no-bf16"], "fit_jax_tuned"),
+)
 
 
 def run_all(args, out_dir):
-    """Run every (bench, backend) in a subprocess; return {(bench, backend): returncode}."""
+    """Run every (bench, backend) in a subprocess; return {(bench, backend): returncode}.
+
+    The scripts' output is printed, not kept: the report is generated from the JSON files alone.
+    """
+    runs = [(bench, backend, [], f"{bench}_{backend}") for backend in args.backends for bench in BENCHES]
+    if "jax" in args.backends and not args.quick:
+        runs += [(bench, "jax", extra, name) for bench, extra, name in TUNED]
     status = {}
-    for backend in args.backends:
-        for bench in BENCHES:
-            script = os.path.join(HERE, f"bench_{bench}.py")
-            json_path = os.path.join(out_dir, f"{bench}_{backend}.json")
-            log_path = os.path.join(out_dir, f"{bench}_{backend}.log")
-            if os.path.exists(json_path):
-                os.remove(json_path)
-            cmd = [sys.executable, script, "--json", json_path]
-            if args.quick:
-                cmd.append("--quick")
-            if args.steps:
-                cmd += ["--steps", str(args.steps)]
-            if args.sizes and bench == "embedding_adam":
-                cmd += ["--sizes", args.sizes]
-            env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
-            print(f"\n===== {bench} on {backend}: {' '.join(cmd[1:])}", flush=True)
-            t0 = time.time()
-            with open(log_path, "w") as log:
-                proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                for line in proc.stdout:
-                    sys.stdout.write(line)
-                    log.write(line)
-                proc.wait()
-            status[(bench, backend)] = proc.returncode
-            print(f"===== {bench} on {backend}: exit {proc.returncode} after {time.time() - t0:.0f} s", flush=True)
+    for bench, backend, extra, name in runs:
+        json_path = os.path.join(out_dir, f"{name}.json")
+        if os.path.exists(json_path):
+            os.remove(json_path)
+        cmd = [sys.executable, os.path.join(HERE, f"bench_{bench}.py"), "--json", json_path, *extra]
+        if args.quick:
+            cmd.append("--quick")
+        if args.steps:
+            cmd += ["--steps", str(args.steps)]
+        if args.sizes and bench == "embedding_adam" and not extra:
+            cmd += ["--sizes", args.sizes]
+        env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
+        print(f"\n===== {name}: {' '.join(cmd[1:])}", flush=True)
+        t0 = time.time()
+        returncode = subprocess.run(cmd, env=env, check=False).returncode
+        status[(bench, backend) if not extra else (name, backend)] = returncode
+        print(f"===== {name}: exit {returncode} after {time.time() - t0:.0f} s", flush=True)
     return status
 
 
 def load_results(out_dir):
     res = {}
-    for bench in BENCHES:
-        for backend in BACKENDS:
-            p = os.path.join(out_dir, f"{bench}_{backend}.json")
-            if os.path.exists(p):
-                with open(p) as f:
-                    res[(bench, backend)] = json.load(f)
+    names = [(bench, backend, f"{bench}_{backend}") for bench in BENCHES for backend in BACKENDS]
+    names += [(name, "jax", name) for _, _, name in TUNED]
+    for key_bench, backend, name in names:
+        p = os.path.join(out_dir, f"{name}.json")
+        if os.path.exists(p):
+            with open(p) as f:
+                res[(key_bench, backend)] = json.load(f)
     return res
 
 
@@ -109,7 +115,7 @@ def write_markdown(results, status, path, quick):
         lines += [f"Load average (1/5/15 min) when each run started: {', '.join(str(l) for l in loads)}.", ""]
     failed = [f"{b} on {k}" for (b, k), rc in status.items() if rc != 0]
     if failed:
-        lines += [f"**Runs that failed:** {', '.join(failed)} (see the `.log` files next to this report).", ""]
+        lines += [f"**Runs that failed:** {', '.join(failed)} (their output went to the terminal of the run).", ""]
 
     # ---------------------------------------------------------------- Adafactor
     af = [(k, results[("adafactor", k)]) for k in BACKENDS if ("adafactor", k) in results]
@@ -238,9 +244,52 @@ def write_markdown(results, status, path, quick):
                   _md_table(["backend", "target", "measured", "goal", "result", "note"], rows), ""]
 
     lines += _recommender_section(results)
+    lines += _tuned_section(results)
     with open(path, "w") as f:
         f.write("\n".join(lines))
     print(f"wrote {path}")
+
+
+def _tuned_section(results):
+    """JAX with the opt-in `keras_tpu_optim.tuning` calls, beside the defaults of the sections above."""
+    tuned_steps, tuned_fit = results.get(("embedding_adam_jax_tuned", "jax")), results.get(("fit_jax_tuned", "jax"))
+    if not tuned_steps and not tuned_fit:
+        return []
+    lines = [
+        "## JAX with the opt-in tunings",
+        "",
+        "The optimizers change nothing process-wide. `keras_tpu_optim.tuning.advise_huge_pages` (the BCOO step: "
+        "`bench_embedding_adam.py --only '[BCOO]' --sizes 1M,10M --interleave --huge-pages`, both sizes in memory, "
+        "a step each in turn) and `release_compile_heap` (`bench_fit.py --release-compile-heap --no-bf16`, in every "
+        "optimizer's process alike), against the same configurations without them in the sections above.",
+        "",
+    ]
+    rows = []
+    default_steps = results.get(("embedding_adam", "jax"))
+    for record in (tuned_steps or {}).get("records", []):
+        if "error" in record:
+            continue
+        default = next((x for x in (default_steps or {}).get("records", [])
+                        if x["name"] == record["name"] and x["rows"] == record["rows"] and "error" not in x), None)
+        rows.append([f"`{record['name']}` step ms @{_size(record['rows'])}", _f(default and default["median_ms"], ".2f"),
+                     _f(record["median_ms"], ".2f"),
+                     _f(record["median_ms"] / default["median_ms"] if default else None, ".2f")])
+    default_fit = results.get(("fit", "jax"))
+    default_above = _fit_peak_above_sgd(default_fit["backends"]["jax"]) if default_fit else {}
+    if tuned_fit:
+        for name, value in _fit_peak_above_sgd(tuned_fit["backends"]["jax"]).items():
+            rows.append([f"`{name}` fit peak over SGD's, x params", _f(default_above.get(name), "+.2f"),
+                         _f(value, "+.2f"), ""])
+    lines += [_md_table(["figure", "default", "with the tuning", "tuned / default"], rows), ""]
+    return lines
+
+
+def _fit_peak_above_sgd(backend_result):
+    """{optimizer: (fit peak - SGD's) / parameter bytes} of one backend's `bench_fit.py` medians."""
+    medians, param_mb = backend_result["medians"], backend_result["param_mb"]
+    sgd = medians.get("keras.optimizers.SGD", {}).get("fit_peak_mb")
+    return {name: (m["fit_peak_mb"] - sgd) / param_mb for name, m in medians.items()
+            if name != "keras.optimizers.SGD" and sgd is not None and m.get("fit_peak_mb") is not None and param_mb}
 
 
 def _recommender_section(results):
@@ -255,13 +304,17 @@ def _recommender_section(results):
         "model compiled with Keras's Adam; `train_on_batch`, median ms a step; each configuration in its own process. "
         "`layer`: `kto.layers.Embedding(optimizer=kto.EmbeddingAdam(0.01))`; `keras_adam`: `keras.layers.Embedding` "
         "trained by Keras's Adam; `dense_path`: `keras.layers.Embedding` trained by `kto.EmbeddingAdam` as the model's "
-        "optimizer. Peak: the process's peak RSS over building the model and all its steps, beyond the bytes of "
-        "every weight and optimizer variable, in MB and as a multiple of the table's bytes.",
+        "optimizer. Steps' peak: the process's peak RSS over all the steps (the first, compiling, included) beyond "
+        "what they keep (the model optimizer's variables), in MB and as a multiple of the table's bytes. Creation "
+        "peak: over building the model, beyond its weights' bytes (Keras's initializers; the same for "
+        "`keras.layers.Embedding`).",
         "",
     ]
     rows = [[k, f"`{x['config']}`", _size(x["rows"]), _f(x["median_ms"], ".2f"), _f(x["peak_beyond_state_mb"], ".0f"),
-             _f(x["peak_beyond_state_x_table"], ".3f")] for k, r in found for x in r["records"]]
-    lines += [_md_table(["backend", "configuration", "rows", "step ms", "peak MB", "x table"], rows), ""]
+             _f(x["peak_beyond_state_x_table"], ".3f"), _f(x.get("creation_peak_beyond_state_mb"), ".0f")]
+            for k, r in found for x in r["records"]]
+    lines += [_md_table(["backend", "configuration", "rows", "step ms", "steps' peak MB", "x table",
+                         "creation peak MB"], rows), ""]
     rows = [[k, t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]]]
             for k, r in found for t in r["targets"]]
     lines += ["### Targets", "", _md_table(["backend", "target", "measured", "goal", "result"], rows), ""]
