@@ -13,9 +13,14 @@ start=$(date +%s)
 . "$(dirname "$0")/env.sh"
 echo "environment ready after $(( $(date +%s) - start )) s"
 selection=()
+compile_faster=""
 if [ "${1:-}" = "--quick" ]; then
   shift
   selection=(tests -m "not processes")
+  # The unit tests' tensors are tiny and compiling is most of their time: XLA's CPU code generated
+  # without the fusion emitters and LLVM's expensive passes compiles faster, and runs slower, which
+  # the processes the full run starts (real fits, several devices) would pay for.
+  compile_faster="--xla_cpu_use_fusion_emitters=false --xla_llvm_disable_expensive_passes=true"
 fi
 workers="${TEST_WORKERS:-2}"
 parallel=()
@@ -23,11 +28,10 @@ if [ "$workers" != "0" ]; then
   # worksteal: an idle worker takes queued tests from a busy one (test times range from ms to minutes).
   parallel=(-n "$workers" --dist worksteal)
 fi
-# Test-run settings, not the package's: XLA's CPU code generated without LLVM's optimisations and
-# without the fusion emitters (the tests' tensors are tiny; compiling is most of their time, and
-# these flags shorten it), and one JAX compilation cache
+# Test-run settings, not the package's: XLA's CPU code generated without LLVM's optimisations
+# (the tests' tensors are tiny; compiling is most of their time), and one JAX compilation cache
 # for the run, shared by the workers and the processes tests start (identical programs compile once).
-export XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false --xla_llvm_disable_expensive_passes=true ${XLA_FLAGS:-}"
+export XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 $compile_faster ${XLA_FLAGS:-}"
 JAX_COMPILATION_CACHE_DIR="$(mktemp -d)"
 trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
 export JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0

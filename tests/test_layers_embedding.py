@@ -313,3 +313,64 @@ def test_compiled_train_step_copies_no_table_or_slot(options):
     assert not copies, "the compiled step copies a table or a slot:\n" + "\n".join(copies)
     table_lines = [line for line in hlo.splitlines() if f"[{rows},{DIM}]" in line]
     assert any("scatter" in line.lower() for line in table_lines), "no row scatter into the table found"
+
+
+def pooled_layer_model(seed=0):
+    """ids -> ours (its own EmbeddingAdam) -> flatten -> Dense head, compiled with Keras's Adam."""
+    keras.utils.set_random_seed(seed)
+    layer = kto.layers.Embedding(ROWS, DIM, optimizer=kto.EmbeddingAdam(0.05, clipvalue=0.5), name="table")
+    model = keras.Sequential([keras.Input((K,), dtype="int32"), layer, keras.layers.Flatten(),
+                              keras.layers.Dense(1, name="head")])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model, layer
+
+
+def fit_data():
+    ids = np.concatenate([np.asarray(s, np.int32) for s in STEP_IDS])
+    return ids, targets(0, (len(ids), 1))
+
+
+def test_orbax_checkpoint_resumes_with_load_checkpoint(tmp_path):
+    """`keras.callbacks.OrbaxCheckpoint` saves the layer's table, slots and step count with the model's
+    variables; `kto.load_checkpoint` restores them into a fresh model, which trains on exactly as the original."""
+    pytest.importorskip("orbax.checkpoint")
+    ids, y = fit_data()
+    keras.backend.clear_session()
+    model, layer = pooled_layer_model(seed=0)
+    directory = str(tmp_path / "ckpt")
+    checkpoint = keras.callbacks.OrbaxCheckpoint(directory, save_freq=len(STEP_IDS), save_on_background=False)
+    model.fit(ids, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[checkpoint])
+    keras.backend.clear_session()  # the fresh model gets the saved model's layer names
+    restored, restored_layer = pooled_layer_model(seed=1)
+    kto.load_checkpoint(restored, directory)
+    for trained in (model, restored):
+        trained.fit(ids[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    for want, got in zip(model.weights, restored.weights):
+        np.testing.assert_array_equal(numpy_of(got), numpy_of(want), err_msg=want.path)
+    assert float(numpy_of(restored_layer.iterations)) == len(STEP_IDS) + 1
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason=f"keras.distribution runs on the JAX backend; this run is {BACKEND}")
+def test_jax_model_parallel_rows_split_matches_one_device():
+    """The table split by rows over 4 of 8 devices (`ModelParallel`), its slots laid out like it: the same numbers
+    as on one device."""
+    if len(keras.distribution.list_devices()) < 8:
+        pytest.skip("needs 8 JAX devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (dev/test.sh sets it)")
+    ids, y = fit_data()
+    single, _ = pooled_layer_model()
+    single.fit(ids, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+
+    mesh = keras.distribution.DeviceMesh((2, 4), ("batch", "model"), keras.distribution.list_devices())
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*table/(embeddings|momenta|velocities)"] = ("model", None)
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    try:
+        split, layer = pooled_layer_model()
+        split.fit(ids, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    finally:
+        keras.distribution.set_distribution(None)
+    for variable in (layer.embeddings, layer.momenta, layer.velocities):
+        assert len(variable.value.sharding.device_set) == 8
+        assert variable.value.addressable_shards[0].data.shape == (ROWS // 4, DIM), variable.path
+    for want, got in zip(single.weights, split.weights):
+        np.testing.assert_allclose(numpy_of(got), numpy_of(want), rtol=1e-5, atol=1e-7, err_msg=want.path)
