@@ -118,10 +118,9 @@ def _update_looked_up_rows(owner, state, ids, row_gradients, step, row_update_ar
     flat_ids = tf.reshape(ids, [-1])
     values = tf.reshape(row_gradients, tf.concat([tf.shape(flat_ids), tf.shape(table.value)[1:]], 0))
     learning_rate, options = row_update_arguments(step)
+    update_rows = functools.partial(neutral.update_rows_in_float32, learning_rate=learning_rate, options=options)
     if not lazy:
-        gradient = tf.math.unsorted_segment_sum(values, flat_ids, table.shape[0])
-        update_rows = functools.partial(neutral.update_rows_in_float32, learning_rate=learning_rate, options=options)
-        neutral.dense_row_update(update_rows, gradient, table, slots)
+        neutral.dense_row_update(update_rows, tf.math.unsorted_segment_sum(values, flat_ids, table.shape[0]), table, slots)
         return
     gradient = tf.IndexedSlices(values, flat_ids, tf.shape(table.value, out_type=flat_ids.dtype))
     if rows.compiled_update_applies(gradient):
@@ -130,5 +129,4 @@ def _update_looked_up_rows(owner, state, ids, row_gradients, step, row_update_ar
             accumulate_duplicates=accumulate_duplicates,
         )
         return
-    update_rows = functools.partial(neutral.update_rows_in_float32, learning_rate=learning_rate, options=options)
     rows.lazy_row_update(update_rows, gradient, table, slots, accumulate_duplicates=accumulate_duplicates)
