@@ -24,16 +24,31 @@ def unique_rows(indices, values, accumulate_duplicates):
     return ids, rows
 
 
-def touched_rows(gradient):
-    """Rows with any non-zero (or NaN) entry: `_math.embedding_adam.touched_row_mask`'s `sum(|g|) != 0`.
+# A power of two that lifts the smallest float32 magnitude (2^-149) far enough that its square does
+# not underflow (2^-49 squared is 2^-98): scaled, a row's L2 norm is zero only when every entry is.
+_UNDERFLOW_SCALE = 2.0**100
+# Rows scaled at a time on CPU: a bounded temporary (4 MiB of float32), whatever the table's size.
+_CPU_CHUNK_ELEMENTS = 1 << 20
 
-    As the row's 1-norm, which torch reduces without a full-size temporary
-    (`abs(g).sum()` would make one).
+
+def touched_rows(gradient):
+    """Rows with any non-zero (or NaN) entry: `_math.embedding_adam.touched_row_mask`'s rule.
+
+    On CPU as the L2 norm of the rows scaled by `_UNDERFLOW_SCALE`, a chunk of
+    rows at a time: torch's vectorised L2 norm reads a gradient several times
+    faster there than its 1-norm, and the scaling keeps rows of tiny entries
+    (which square to zero unscaled) touched, NaNs and infinities too (an
+    overflow to inf is non-zero). Elsewhere as the row's 1-norm, which torch
+    reduces without a full-size temporary (`abs(g).sum()` would make one).
     """
     if gradient.dim() == 1:
         return torch.nonzero(gradient != 0).squeeze(1)
-    magnitudes = torch.linalg.vector_norm(gradient.reshape(gradient.shape[0], -1), ord=1, dim=1)
-    return torch.nonzero(magnitudes != 0).squeeze(1)
+    rows = gradient.reshape(gradient.shape[0], -1)
+    if rows.device.type != "cpu":
+        return torch.nonzero(torch.linalg.vector_norm(rows, ord=1, dim=1) != 0).squeeze(1)
+    step = max(1, _CPU_CHUNK_ELEMENTS // max(1, rows.shape[1]))
+    norms = [torch.linalg.vector_norm(rows[i : i + step] * _UNDERFLOW_SCALE, dim=1) for i in range(0, rows.shape[0], step)]
+    return torch.nonzero(torch.cat(norms) != 0).squeeze(1)
 
 
 @torch.no_grad()
