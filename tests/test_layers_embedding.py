@@ -374,3 +374,32 @@ def test_jax_model_parallel_rows_split_matches_one_device():
         assert variable.value.addressable_shards[0].data.shape == (ROWS // 4, DIM), variable.path
     for want, got in zip(single.weights, split.weights):
         np.testing.assert_allclose(numpy_of(got), numpy_of(want), rtol=1e-5, atol=1e-7, err_msg=want.path)
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="torch steps run eagerly: a second lookup in one step is not detected")
+def test_two_lookups_in_one_traced_step_raise():
+    """A table looked up twice in one step would be updated twice (on JAX its two "gradients" would add up): the
+    traced step raises instead."""
+    layer = kto.layers.Embedding(ROWS, DIM, optimizer=kto.EmbeddingAdam(0.05))
+    users, friends = keras.Input((K,), dtype="int32"), keras.Input((K,), dtype="int32")
+    model = keras.Model([users, friends], layer(users) + layer(friends))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    ids = np.asarray(STEP_IDS[0], np.int32)
+    with pytest.raises(ValueError, match="called twice in one training step"):
+        model.train_on_batch([ids, ids], targets(0, (BATCH, K, DIM)))
+    # One lookup per step, in one model or several, is fine: a second model sharing the layer trains on.
+    single = keras.Model(users, layer(users))
+    single.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    for step in range(2):
+        single.train_on_batch(ids, targets(step, (BATCH, K, DIM)))
+    assert float(numpy_of(layer.iterations)) == 2
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.distribute is TensorFlow's")
+def test_tf_distribute_strategy_raises():
+    from _mirrored import mirrored_strategy
+
+    with mirrored_strategy().scope():
+        model, _ = table_model({})
+    with pytest.raises(ValueError, match="tf.distribute strategy"):
+        model.train_on_batch(np.asarray(STEP_IDS[0], np.int32), targets(0, (BATCH, K, DIM)))

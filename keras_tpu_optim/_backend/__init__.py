@@ -35,7 +35,10 @@ functions; the optimizers call them and never ask which backend runs:
   `ids` of `state[0]`, whose backward pass applies EmbeddingAdam's row update
   to the rows looked up (`state` is the table and its slots, `iterations` the
   float32 step count, `row_update_arguments(step) -> (learning_rate,
-  options)`) and returns `iterations + 1` as the gradient of `iterations`.
+  options)`) and returns `iterations + 1` as the gradient of `iterations`;
+  `lookup_trace(iterations)`: what identifies the traced step a lookup is in
+  (the same object for every lookup of one trace), or None where steps are
+  not traced.
 
 Kernels measured on one platform are chosen by platform (a variable's, from
 `platform_of`), and the neutral `keras.ops` form runs everywhere else
@@ -69,6 +72,7 @@ INTERFACE = (
     "adafactor_reductions",
     "state_creation_scope",
     "trained_lookup",
+    "lookup_trace",
 )
 
 

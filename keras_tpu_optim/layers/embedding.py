@@ -71,7 +71,8 @@ class Embedding(keras.layers.Embedding):
     trainer runs it, in place).
 
     Requirements, each checked where it can be: the layer is called once per
-    training step (to look up several id tensors, concatenate them); the
+    training step (to look up several id tensors, concatenate them; checked
+    where the step is traced); no `tf.distribute` strategy; the
     table is read only through the layer; the optimizer has no `use_ema`,
     `gradient_accumulation_steps`, `clipnorm`, `global_clipnorm`,
     `loss_scale_factor`, `skip_nonfinite_updates` or
@@ -92,6 +93,7 @@ class Embedding(keras.layers.Embedding):
 
     def __init__(self, input_dim, output_dim, *args, optimizer=None, **kwargs):
         self._table_optimizer = _check_optimizer(optimizer)
+        self.__dict__["_last_lookup_trace"] = None  # Not state: kept out of Keras's tracking.
         if self._table_optimizer is not None:
             for argument in ("embeddings_regularizer", "embeddings_constraint", "lora_rank", "quantization_config"):
                 if kwargs.get(argument) is not None:
@@ -171,6 +173,7 @@ class Embedding(keras.layers.Embedding):
             return super().call(inputs)
         if inputs.dtype != "int32" and inputs.dtype != "int64":
             inputs = ops.cast(inputs, "int32")
+        self._check_one_lookup_per_step()
         optimizer = self._table_optimizer
         outputs = _backend.get().trained_lookup(
             inputs,
@@ -182,6 +185,21 @@ class Embedding(keras.layers.Embedding):
             owner=self,
         )
         return ops.cast(outputs, dtype=self.compute_dtype)
+
+    def _check_one_lookup_per_step(self):
+        """Raise if the layer looks up twice in one traced training step (each lookup would update the table).
+
+        Detected where the step is traced (a JAX trace, a TF graph function), by the step's value of
+        `iterations`, which is the same within one trace; not in eager TF or torch.
+        """
+        trace = _backend.get().lookup_trace(self.iterations)
+        if trace is not None and trace is self._last_lookup_trace:
+            raise ValueError(
+                f"keras_tpu_optim.layers.Embedding '{self.name}' with `optimizer` is called twice in one training "
+                "step; each call would update the table by itself. Look all ids up in one call (concatenate them), "
+                "or use a layer without `optimizer`."
+            )
+        self.__dict__["_last_lookup_trace"] = trace
 
     def save_own_variables(self, store):
         if self._table_optimizer is None:

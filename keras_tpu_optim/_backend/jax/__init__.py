@@ -258,3 +258,9 @@ def trained_lookup(ids, state, iterations, row_update_arguments, *, lazy, accumu
 
     lookup.defvjp(forward, backward)
     return lookup(ids, iterations.value, *(t.value for t in state))
+
+
+def lookup_trace(iterations):
+    """The step's traced value of `iterations` (one tracer per trace), or None eagerly."""
+    value = iterations.value
+    return None if concrete(value) else value

@@ -96,7 +96,15 @@ def trained_lookup(ids, state, iterations, row_update_arguments, *, lazy, accumu
     and returns `iterations + 1` as the gradient of `iterations` (see `keras_tpu_optim._backend`).
 
     The table and slots are not trainable: only `iterations` connects the lookup to the gradient tape.
+    Under a `tf.distribute` strategy each replica would update the table with its own gradient: refused.
     """
+    if tf.distribute.has_strategy():
+        raise ValueError(
+            "keras_tpu_optim.layers.Embedding with `optimizer` does not run under a tf.distribute strategy "
+            f"({type(tf.distribute.get_strategy()).__name__}): each replica would update the table with its own "
+            "gradient. Use the layer without `optimizer` (EmbeddingAdam as the model's optimizer), or JAX's "
+            "keras.distribution."
+        )
     looked_up = ops.take(state[0].value, ids, axis=0)
 
     @tf.custom_gradient
@@ -130,3 +138,8 @@ def _update_looked_up_rows(owner, state, ids, row_gradients, step, row_update_ar
         )
         return
     rows.lazy_row_update(update_rows, gradient, table, slots, accumulate_duplicates=accumulate_duplicates)
+
+
+def lookup_trace(iterations):
+    """The graph function being traced, or None eagerly."""
+    return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()

@@ -143,3 +143,8 @@ def _update_looked_up_rows(targets, row_update_arguments, ids, row_gradients, st
         return
     unique_ids, grad_rows = rows.unique_rows(flat_ids, values, accumulate_duplicates)
     rows.update_in_place(update_rows, unique_ids, grad_rows, targets)
+
+
+def lookup_trace(iterations):
+    """None: torch steps run eagerly."""
+    return None
