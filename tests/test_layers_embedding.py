@@ -257,10 +257,11 @@ def test_unsupported_options_raise_naming_them(arguments, named):
         kto.layers.Embedding(ROWS, DIM, **arguments)
 
 
-def test_option_set_after_construction_is_checked_at_the_next_step():
+@pytest.mark.parametrize("name, value", [("use_ema", True), ("second_moment", "rowwise"), ("bias_correction", "per_row")])
+def test_option_set_after_construction_is_checked_at_the_next_step(name, value):
     model, layer = table_model({})
-    layer.optimizer.use_ema = True
-    with pytest.raises(ValueError, match="use_ema"):
+    setattr(layer.optimizer, name, value)
+    with pytest.raises(ValueError, match=name):
         model.train_on_batch(np.asarray(STEP_IDS[0], np.int32), targets(0, (BATCH, K, DIM)))
 
 

@@ -161,6 +161,13 @@ class Embedding(keras.layers.Embedding):
         """`(learning_rate, options)` of the row update after `step` updates (`neutral.update_rows_in_float32`)."""
         optimizer = self._table_optimizer
         _check_optimizer(optimizer)  # Hyperparameters may have been set since the layer was built.
+        for name, built_with in (("second_moment", "rowwise" if len(self.velocities.shape) == 1 else "full"),
+                                 ("bias_correction", "global" if self.row_steps is None else "per_row")):
+            if getattr(optimizer, name) != built_with:
+                raise ValueError(
+                    f"keras_tpu_optim.layers.Embedding: its optimizer's `{name}` decides the table's slots, which "
+                    f"are built: set it before the layer is built. Received: {name}={getattr(optimizer, name)!r}"
+                )
         learning_rate = ops.cast(_private.learning_rate_at(optimizer, step), "float32")
         if optimizer.bias_correction == "global":
             learning_rate = adam_math.bias_corrected_learning_rate(
