@@ -50,7 +50,6 @@ optimizer classes.
 
 from __future__ import annotations
 
-import functools
 import importlib
 from types import ModuleType
 
@@ -86,7 +85,14 @@ def get(name: str | None = None) -> ModuleType:
     return backend_module(__name__, name)
 
 
-@functools.cache
+# The modules imported so far. A plain dict, not `functools.cache`: `torch.compile` traces a dict
+# lookup, and breaks its graph at an `importlib` call (even one a cache would skip).
+_MODULES: dict = {}
+
+
 def backend_module(package: str, name: str) -> ModuleType:
     """`package.name`, imported once: how every per-backend module of the package is found."""
-    return importlib.import_module(f"{package}.{name}")
+    module = _MODULES.get((package, name))
+    if module is None:
+        module = _MODULES[(package, name)] = importlib.import_module(f"{package}.{name}")
+    return module
