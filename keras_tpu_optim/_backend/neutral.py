@@ -7,7 +7,9 @@ gradient, how to update a table's touched rows, which reductions to use).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+from typing import Any
 
 import keras
 from keras import ops
@@ -130,8 +132,7 @@ def embedding_adam_step(optimizer, gradient, variable, learning_rate, *, lazy_ro
     row-sparse update; `densify` its conversion of a sparse gradient.
     """
     slots = optimizer._row_slots(variable)
-    update_rows = functools.partial(
-        update_rows_in_float32,
+    update_rows = RowUpdate(
         learning_rate=optimizer._row_learning_rate(learning_rate),
         options=optimizer._row_update_options(variable),
         ema_step=optimizer._ema_step(),
@@ -148,6 +149,24 @@ def dense_row_update(update_rows, gradient, variable, slots):
     new_values = update_rows(gradient, *(ops.convert_to_tensor(t) for t in (variable, *slots)))
     for target, value in zip((variable, *slots), new_values):
         target.assign(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowUpdate:
+    """One step's row update, `update_rows_in_float32` with its arguments: `RowUpdate(...)(grad, weight, *slots)`.
+
+    A backend with a row kernel of its own reads the arguments
+    (`learning_rate`, `options`, `ema_step`) instead of calling it.
+    """
+
+    learning_rate: Any
+    options: adam_math.RowUpdateOptions
+    ema_step: Any = None
+
+    def __call__(self, grad, weight, *slots):
+        return update_rows_in_float32(
+            grad, weight, *slots, learning_rate=self.learning_rate, options=self.options, ema_step=self.ema_step
+        )
 
 
 def update_rows_in_float32(grad, weight, momenta, velocities, *extra_slots, learning_rate, options, ema_step=None):

@@ -11,6 +11,7 @@ from keras import ops
 from keras_tpu_optim import _private
 from keras_tpu_optim._backend import neutral
 from keras_tpu_optim._backend.torch import accumulation, adafactor, rows
+from keras_tpu_optim._backend.torch.scratch import Scratch
 from keras_tpu_optim._math import adafactor as adafactor_math
 
 
@@ -19,7 +20,7 @@ apply_if = neutral.apply_if  # Eager: a Python branch.
 state_creation_scope = neutral.state_creation_scope
 checked_gradient = neutral.checked_gradient
 
-# Each optimizer's scratch for the in-place Adafactor kernel, released with the optimizer.
+# The scratch of each optimizer's (and `layers.Embedding`'s) in-place kernels, released with its owner.
 _scratches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -57,10 +58,10 @@ def fused_adafactor_applies(platform: str) -> bool:
     return platform == "cpu"
 
 
-def scratch_of(optimizer) -> adafactor.Scratch:
-    scratch = _scratches.get(optimizer)
+def scratch_of(owner) -> Scratch:
+    scratch = _scratches.get(owner)
     if scratch is None:
-        scratch = _scratches[optimizer] = adafactor.Scratch()
+        scratch = _scratches[owner] = Scratch()
     return scratch
 
 
@@ -89,7 +90,8 @@ def embedding_adam_step(optimizer, gradient, variable, learning_rate):
         variable,
         learning_rate,
         lazy_row_update=functools.partial(
-            rows.lazy_row_update, accumulate_duplicates=optimizer.use_gradient_accumulation
+            rows.lazy_row_update, accumulate_duplicates=optimizer.use_gradient_accumulation,
+            scratch=scratch_of(optimizer),
         ),
         densify=densify,
     )
@@ -112,6 +114,7 @@ def trained_lookup(ids, state, iterations, row_update_arguments, *, lazy, accumu
         row_update_arguments,
         lazy=lazy,
         accumulate_duplicates=accumulate_duplicates,
+        scratch=scratch_of(owner),
     )
     return _TrainedLookup.apply(ids, iterations.value, state[0].value, update)
 
@@ -131,18 +134,20 @@ class _TrainedLookup(torch.autograd.Function):
         return None, step + 1, None, None
 
 
-def _update_looked_up_rows(targets, row_update_arguments, ids, row_gradients, step, *, lazy, accumulate_duplicates):
+def _update_looked_up_rows(
+    targets, row_update_arguments, ids, row_gradients, step, *, lazy, accumulate_duplicates, scratch
+):
     flat_ids = ids.reshape(-1).long()
     values = row_gradients.reshape((flat_ids.shape[0],) + tuple(targets[0].shape[1:]))
     learning_rate, options = row_update_arguments(step)
-    update_rows = functools.partial(neutral.update_rows_in_float32, learning_rate=learning_rate, options=options)
+    update_rows = neutral.RowUpdate(learning_rate=learning_rate, options=options)
     if not lazy:
         gradient = torch.zeros(targets[0].shape, dtype=values.dtype, device=values.device).index_add_(0, flat_ids, values)
         for target, value in zip(targets, update_rows(gradient, *targets)):
             target.copy_(value)
         return
-    unique_ids, grad_rows = rows.unique_rows(flat_ids, values, accumulate_duplicates)
-    rows.update_in_place(update_rows, unique_ids, grad_rows, targets)
+    unique_ids, grad_rows = rows.unique_rows(flat_ids, values, accumulate_duplicates, scratch)
+    rows.update_in_place(update_rows, unique_ids, grad_rows, targets, scratch)
 
 
 def lookup_trace(iterations):

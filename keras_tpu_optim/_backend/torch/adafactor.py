@@ -14,39 +14,13 @@ from __future__ import annotations
 import torch
 
 from keras_tpu_optim._backend import blocks
+from keras_tpu_optim._backend.torch.scratch import Scratch  # noqa: F401  (the kernel's scratch)
 from keras_tpu_optim._math import stochastic_rounding
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 CHUNK_ELEMENTS = blocks.CHUNK_ELEMENTS
-
-
-class Scratch:
-    """Float32 scratch for one optimizer's eager steps: chunk-sized buffers, grown as needed, reused, released with its owner.
-
-    `like(x, slot)` gives slot `slot`'s buffer as a float32 view of `x`'s
-    shape; a step uses two slots, each at most a chunk (`CHUNK_ELEMENTS`, or
-    one row of the leading axis where a row is bigger).
-    """
-
-    def __init__(self):
-        self._buffers = {}
-
-    def like(self, x: torch.Tensor, slot: int = 0) -> torch.Tensor:
-        """A float32 view of x's shape on x's device (contents undefined)."""
-        buffer = self._buffers.get(slot)
-        if buffer is None or buffer.device != x.device or buffer.numel() < x.numel():
-            self._buffers[slot] = None  # Free the old buffer before allocating its successor.
-            buffer = self._buffers[slot] = torch.empty(x.numel(), dtype=torch.float32, device=x.device)
-        return buffer[: x.numel()].view(x.shape)
-
-    def release(self) -> None:
-        self._buffers = {}
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values() if b is not None)
 
 
 def _part(x: torch.Tensor, span, full_rows: int) -> torch.Tensor:
