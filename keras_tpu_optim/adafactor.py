@@ -236,6 +236,10 @@ class Adafactor(OptimizerBase):
         """Update step given gradient and the associated model variable."""
         self._backend.adafactor_step(self, gradient, variable, learning_rate)
 
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        # Keras's loop over `update_step`, which a backend may run for groups of variables at once.
+        self._backend.adafactor_steps(self, grads, trainable_variables, learning_rate, super()._backend_update_step)
+
     def get_config(self):
         config = super().get_config()
         config.update(self._options.to_config())

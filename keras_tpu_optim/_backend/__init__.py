@@ -16,7 +16,10 @@ functions; the optimizers call them and never ask which backend runs:
   `condition` holds, with `state` the variables `apply` may change.
 - `adafactor_step(optimizer, gradient, variable, learning_rate)` and
   `embedding_adam_step(optimizer, gradient, variable, learning_rate)`: one
-  optimizer step for one variable, in place.
+  optimizer step for one variable, in place; `adafactor_steps(optimizer,
+  grads, variables, learning_rate, keras_steps)`: a step's Adafactor updates
+  of all its variables (`keras_steps`, Keras's loop over `update_step`, or
+  groups of variables at once).
 - `cond(condition, true_fn, false_fn)`: `ops.cond`, which on JAX calls only
   the branch taken where `condition` is concrete (eager code): a traced
   branch would be compiled anew at every call.
@@ -65,6 +68,7 @@ INTERFACE = (
     "densify",
     "apply_if",
     "adafactor_step",
+    "adafactor_steps",
     "embedding_adam_step",
     "apply_gradients",
     "cond",

@@ -67,6 +67,11 @@ def adafactor_step(optimizer, gradient, variable, learning_rate, reductions=adaf
     )
 
 
+def adafactor_steps(optimizer, grads, variables, learning_rate, keras_steps):
+    """Keras's loop over `update_step` for a step's variables (`keras_steps`), one variable at a time."""
+    keras_steps(grads, variables, learning_rate)
+
+
 def adafactor_results(gradient, variable, slots, momentum, *, learning_rate, step, options, reductions):
     """`adafactor_math.adafactor_update` on a step's tensors (the slots and momentum already read): float32
     inputs, the factored axes of the variable's shape. Returns `(delta, new_slots, new_momentum)`."""

@@ -74,6 +74,7 @@ def apply_if(condition, apply, state):
 
 state_creation_scope = neutral.state_creation_scope
 checked_gradient = neutral.checked_gradient
+adafactor_steps = neutral.adafactor_steps  # one variable at a time: XLA fuses each step
 
 
 def adafactor_step(optimizer, gradient, variable, learning_rate):

@@ -15,6 +15,7 @@ from keras_tpu_optim._backend.tensorflow.gradients import checked_gradient, dens
 from keras_tpu_optim._backend.tensorflow.adafactor import adafactor_reductions, adafactor_step
 
 cond = neutral.cond
+adafactor_steps = neutral.adafactor_steps  # one variable at a time: XLA fuses each step
 apply_if = neutral.apply_if  # tf.cond runs only the branch taken: sparse updates stay sparse.
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 
 import torch
@@ -10,7 +11,7 @@ from keras import ops
 
 from keras_tpu_optim import _private
 from keras_tpu_optim._backend import neutral
-from keras_tpu_optim._backend.torch import accumulation, adafactor, rows
+from keras_tpu_optim._backend.torch import accumulation, adafactor, grouped, rows
 from keras_tpu_optim._backend.torch.scratch import Scratch
 from keras_tpu_optim._math import adafactor as adafactor_math
 
@@ -59,6 +60,10 @@ def fused_adafactor_applies(platform: str) -> bool:
 
 
 def scratch_of(owner) -> Scratch:
+    if torch.compiler.is_compiling():
+        # A fresh one, not the owner's: its buffers are the compiled graph's own temporaries, and the
+        # graph reads no cache whose filling would make it recompile.
+        return Scratch()
     scratch = _scratches.get(owner)
     if scratch is None:
         scratch = _scratches[owner] = Scratch()
@@ -81,6 +86,80 @@ def adafactor_step(optimizer, gradient, variable, learning_rate):
         scratch=scratch_of(optimizer),
         variable_index=_private.variable_index(optimizer, variable),
     )
+
+
+# On CPU, the largest variable (elements) that the grouped step updates: below it, dispatching ops is
+# most of a variable's step and the grouped step measured faster than the in-place kernel; above
+# it the in-place kernel's cache-sized blocks win (the benchmark report's torch launch rows).
+CPU_GROUPED_ELEMENTS = 1 << 15
+
+
+def grouped_adafactor_applies(platform: str, size: int) -> bool:
+    """Whether a variable of `size` elements on `platform` takes the grouped step (`grouped.adafactor_group_step`):
+    a few dozen ops per group of one shape instead of about forty per variable, each op a kernel launch on a GPU."""
+    return platform != "cpu" or size <= CPU_GROUPED_ELEMENTS
+
+
+def adafactor_steps(optimizer, grads, variables, learning_rate, keras_steps):
+    """Keras's loop over `update_step` (`keras_steps`), the variables on a grouped platform stepped by group."""
+    if _private.in_stateless_scope():
+        keras_steps(grads, variables, learning_rate)
+        return
+    by_group = [grouped_adafactor_applies(optimizer._platform_of(v), math.prod(v.shape)) for v in variables]
+    if not all(by_group):
+        keras_steps(
+            [g for g, on in zip(grads, by_group) if not on], [v for v, on in zip(variables, by_group) if not on],
+            learning_rate,
+        )
+    if not any(by_group):
+        return
+    pairs = [(g, v) for g, v, on in zip(grads, variables, by_group) if on]
+    learning_rate = ops.convert_to_tensor(learning_rate)
+    step = ops.convert_to_tensor(optimizer.iterations) + 1
+    for positions, indices, axes in _group_plan(optimizer, [v for _, v in pairs]):
+        members = []
+        for position in positions:
+            gradient, variable = pairs[position]
+            state = optimizer._state_of(variable)
+            members.append(grouped.Member(
+                variable.value, densify(gradient), tuple(s.value for s in state.slots),
+                None if state.momentum is None else state.momentum.value,
+            ))
+        grouped.adafactor_group_step(
+            members, learning_rate=learning_rate, step=step, options=optimizer._options, axes=axes, indices=indices
+        )
+
+
+# Each optimizer's grouping of its variables, by the list of variables a step updates.
+_plans: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _group_plan(optimizer, variables) -> list:
+    """`(positions, indices, axes)` per chunk of a group: the chunk's positions in `variables`, its variables'
+    indices in the optimizer (an int32 tensor), its factored axes. Computed once per list of variables."""
+    key = tuple(_private.variable_index(optimizer, v) for v in variables)
+    if torch.compiler.is_compiling():
+        return _new_group_plan(optimizer, variables, key)  # traced once; no cache to guard on
+    plans = _plans.setdefault(optimizer, {})
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = _new_group_plan(optimizer, variables, key)
+    return plan
+
+
+def _new_group_plan(optimizer, variables, key) -> list:
+    groups = {}
+    for position, variable in enumerate(variables):
+        state = optimizer._state_of(variable)
+        axes = optimizer._options.factored_axes(variable.shape) if len(state.slots) == 2 else None
+        momentum = None if state.momentum is None else state.momentum.value
+        groups.setdefault(grouped.group_key(variable.value, state.slots, momentum, axes), []).append(position)
+    plan = []
+    for group, positions in groups.items():
+        for chunk in grouped.chunked(positions, math.prod(group[0])):
+            indices = torch.tensor([key[p] for p in chunk], dtype=torch.int32, device=group[2])
+            plan.append((chunk, indices, group[3]))
+    return plan
 
 
 def embedding_adam_step(optimizer, gradient, variable, learning_rate):
