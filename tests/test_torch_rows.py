@@ -101,3 +101,56 @@ def test_a_warm_step_allocates_nothing_row_sized(kind):
     largest = max((e.cpu_memory_usage for e in prof.events()), default=0)
     # ids, their inverse and per-row scalars are at most a few KiB here; the rows are ~400 KiB.
     assert largest < row_bytes // 8, f"an op allocated {largest} bytes (the touched rows are {row_bytes})"
+
+
+COMPILED_OPTIONS = {
+    "clips_and_decay": OPTIONS["clips_and_decay"],
+    "rowwise_per_row_ema": dict(second_moment="rowwise", bias_correction="per_row", use_ema=True, ema_momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("name", list(COMPILED_OPTIONS))
+def test_compiled_dense_step_is_one_graph_with_the_numpy_numbers(name):
+    """Under `torch.compile` (Keras's `jit_compile=True`) a dense gradient's lazy step has static shapes:
+    one graph, no break (eager finds the touched rows with `nonzero`, whose shape depends on the data),
+    compiled once for every step, and the reference's numbers, untouched rows bit for bit."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    options = COMPILED_OPTIONS[name]
+    rng = np.random.default_rng(2)
+    table = rng.uniform(-0.1, 0.1, (ROWS, DIM)).astype(np.float32)
+    reference = NumpyEmbeddingAdam(table, learning_rate=0.05, **{k: v for k, v in options.items() if "ema" not in k})
+    gradients = []
+    for step in range(4):
+        ids = rng.integers(0, ROWS // 2 + 5 * step, 12)
+        dense = np.zeros((ROWS, DIM), np.float32)
+        np.add.at(dense, ids, rng.normal(0, 0.5, (12, DIM)).astype(np.float32))
+        dense[ROWS - 1, 0] = 1e-30 if step == 3 else 0.0  # a row of one tiny entry is touched
+        gradients.append(dense)
+
+    def new_step():
+        variable = keras.Variable(table)
+        optimizer = kto.EmbeddingAdam(0.05, **options)
+        optimizer.build([variable])
+        return variable, optimizer, lambda gradient: optimizer.apply([gradient], [variable])
+
+    explained = torch._dynamo.explain(new_step()[2])(torch.tensor(gradients[0]))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    variable, optimizer, step = new_step()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    for dense in gradients:
+        compiled(torch.tensor(dense))
+        reference.apply_dense(dense)
+    assert counter.frame_count == 1
+    weights = keras.ops.convert_to_numpy(variable)
+    np.testing.assert_allclose(weights, reference.weights, rtol=2e-6, atol=2e-7)
+    momenta, velocities = optimizer._state_of(variable).slots[:2]
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(momenta), reference.momenta, rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(velocities), reference.velocities, rtol=1e-5, atol=1e-12)
+    untouched = np.ones(ROWS, bool)
+    untouched[: ROWS // 2 + 15] = False
+    untouched[ROWS - 1] = False
+    np.testing.assert_array_equal(weights[untouched], table[untouched])
+    assert keras.ops.convert_to_numpy(momenta)[ROWS - 1, 0] != 0  # the tiny row was updated

@@ -83,12 +83,31 @@ def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplic
     if gradient.is_sparse:
         indices, values = _private.torch_sparse_entries(gradient)
         ids, grad_rows = unique_rows(indices, values, accumulate_duplicates, scratch)
+    elif torch.compiler.is_compiling():
+        masked_row_update(update_rows, gradient, [variable.value] + [s.value for s in slots])
+        return
     else:
         ids = touched_rows(gradient, scratch)
         shape = (ids.shape[0],) + tuple(gradient.shape[1:])
         out = None if scratch is None else scratch.empty(shape, GRADIENT_SLOT, gradient.dtype, gradient.device)
         grad_rows = torch.index_select(gradient, 0, ids, out=out) if out is not None else gradient.index_select(0, ids)
     update_in_place(update_rows, ids, grad_rows, [variable.value] + [s.value for s in slots], scratch)
+
+
+def masked_row_update(update_rows, gradient, targets):
+    """A dense gradient's lazy step with static shapes, as `torch.compile` traces it.
+
+    The touched rows' list has a data-dependent length (`nonzero`), which
+    `torch.compile` cannot trace without breaking its graph; here every row's
+    update is computed and only the touched rows (`touched_row_mask`) take
+    theirs: the same numbers, untouched rows bit for bit, in one pass over the
+    table that the compiler fuses (the cost of `lazy_adam=False`, not of the
+    rows touched).
+    """
+    touched = adam_math.touched_row_mask(gradient)
+    for target, rows in zip(targets, update_rows(gradient, *targets)):
+        keep = touched.reshape((-1,) + (1,) * (target.dim() - 1))
+        target.copy_(torch.where(keep, rows.to(target.dtype), target))
 
 
 # The scratch slots of a row step: the gradient rows, the gathered rows of each target (in its
