@@ -27,7 +27,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 import bench_common as bc  # noqa: E402  (the script's folder is on sys.path)
 
 BACKENDS = ("tensorflow", "jax", "torch")
-BENCHES = ("adafactor", "embedding_adam", "embedding_options", "fit", "recommender")
+BENCHES = ("adafactor", "embedding_adam", "embedding_options", "fit", "recommender", "torch_launches")
+# Benchmarks of one backend's own concern: run on that backend alone.
+ONLY_ON = {"torch_launches": "torch"}
 PASS = {True: "PASS", False: "**MISS**", None: "n/a"}
 # JAX again with the opt-in `keras_tpu_optim.tuning` calls (the defaults change nothing process-wide):
 # (bench, the script's extra arguments, the JSON's name).
@@ -42,7 +44,8 @@ def run_all(args, out_dir):
 
     The scripts' output is printed, not kept: the report is generated from the JSON files alone.
     """
-    runs = [(bench, backend, [], f"{bench}_{backend}") for backend in args.backends for bench in BENCHES]
+    runs = [(bench, backend, [], f"{bench}_{backend}") for backend in args.backends for bench in BENCHES
+            if ONLY_ON.get(bench, backend) == backend]
     if "jax" in args.backends and not args.quick:
         runs += [(bench, "jax", extra, name) for bench, extra, name in TUNED]
     status = {}
@@ -244,6 +247,7 @@ def write_markdown(results, status, path, quick):
                   _md_table(["backend", "target", "measured", "goal", "result", "note"], rows), ""]
 
     lines += _recommender_section(results)
+    lines += _torch_launches_section(results)
     lines += _tuned_section(results)
     with open(path, "w") as f:
         f.write("\n".join(lines))
@@ -318,6 +322,51 @@ def _recommender_section(results):
     rows = [[k, t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]]]
             for k, r in found for t in r["targets"]]
     lines += ["### Targets", "", _md_table(["backend", "target", "measured", "goal", "result"], rows), ""]
+    return lines
+
+
+def _torch_launches_section(results):
+    """torch's ops a step and eager against `torch.compile` (`bench_torch_launches.py`)."""
+    found = results.get(("torch_launches", "torch"))
+    if not found:
+        return []
+    records = found["records"]
+    lines = [
+        "## torch: ops a step (kernel launches on a GPU) and `torch.compile`",
+        "",
+        "`integration/bench_torch_launches.py`. Ops: the aten ops one warm `apply` (`torch.optim`: `step`) "
+        "dispatches, counted with a `TorchDispatchMode`; each is a kernel launch on a GPU. Ours on the path a CUDA "
+        "user runs (`[GPU path]`: the variables' platform set to `\"gpu\"`, the grouped step) and on this CPU's. "
+        "EmbeddingAdam: 4096 ids a table, a dense or a sparse COO gradient.",
+        "",
+    ]
+    configs = list(dict.fromkeys(r["config"] for r in records if r["section"] == "ops"))
+    names = list(dict.fromkeys(r["optimizer"] for r in records if r["section"] == "ops"))
+    ops = {(r["config"], r["optimizer"]): r["ops"] for r in records if r["section"] == "ops"}
+    for group, keep in (("Adafactor stacks", lambda c: "table" not in c), ("EmbeddingAdam tables", lambda c: "table" in c)):
+        chosen = [c for c in configs if keep(c)]
+        columns = [n for n in names if any((c, n) in ops for c in chosen)]
+        rows = [[f"`{n}`"] + [ops.get((c, n), "") for c in chosen] for n in columns]
+        lines += [f"### Ops a step: {group}", "", _md_table(["optimizer"] + chosen, rows), ""]
+    graphs = [[f"`{r['optimizer']}`", r["graphs"], r["breaks"]] for r in records if r["section"] == "graphs"]
+    lines += ["### `torch._dynamo.explain` of one `apply`", "",
+              "A sparse COO gradient is not traced by `torch.compile` (torch's own limit): its step runs eagerly.", "",
+              _md_table(["optimizer", "graphs", "breaks"], graphs), ""]
+    times = [r for r in records if r["section"] == "times"]
+    by = {(r["config"], r["optimizer"], r["mode"]): r for r in times}
+    rows = []
+    for config, name in dict.fromkeys((r["config"], r["optimizer"]) for r in times):
+        eager, compiled = by.get((config, name, "eager")), by.get((config, name, "compiled"))
+        rows.append([config, f"`{name}`", _f(eager and eager["median_ms"], ".2f"), _f(compiled and compiled["median_ms"], ".2f"),
+                     _f(compiled and compiled["first_call_s"], ".0f"),
+                     _f(eager["median_ms"] / compiled["median_ms"] if eager and compiled else None, ".2f")])
+    lines += ["### Step time on this CPU, eager and `torch.compile`", "",
+              f"Median of {found['steps']} steps after the first (compiling) call and one more. The timed stack "
+              "is the BERT-like stack's embedding and first two layers at full width (compiling all twelve takes "
+              "minutes on this CPU).", "",
+              _md_table(["configuration", "optimizer", "eager ms", "compiled ms", "compile s", "eager / compiled"], rows), ""]
+    rows = [[t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]]] for t in found["targets"]]
+    lines += ["### Targets", "", _md_table(["target", "measured", "goal", "result"], rows), ""]
     return lines
 
 

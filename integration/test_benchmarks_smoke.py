@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 
 import keras
@@ -138,3 +139,40 @@ def test_bench_recommender_quick(tmp_path, capsys):
 
     run_benchmarks.write_report(str(tmp_path / "report"), quick=True)
     assert "Tables trained in the lookup" in (tmp_path / "report" / "benchmarks.md").read_text()
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="bench_torch_launches.py measures torch alone")
+def test_bench_torch_launches_quick(tmp_path, capsys):
+    stdout, data = _run("bench_torch_launches.py", tmp_path, capsys, "--steps", "1")
+    assert "Targets" in stdout
+    ops = {(r["config"].split(" (")[0], r["optimizer"]) for r in data["records"] if r["section"] == "ops"}
+    assert ("40 variables, 2 shapes", "keras_tpu_optim.Adafactor [GPU path]") in ops
+    assert ("4 table(s) 2000x64, sparse gradient", "torch.optim.SparseAdam") in ops
+    modes = {(r["optimizer"], r["mode"]) for r in data["records"] if r["section"] == "times"}
+    assert {("keras_tpu_optim.Adafactor", "compiled"), ("keras_tpu_optim.EmbeddingAdam", "compiled")} <= modes
+    assert all(t["value"] is not None for t in data["targets"]), data["targets"]
+    (tmp_path / "report").mkdir()
+    with open(tmp_path / "report" / "torch_launches_torch.json", "w") as f:
+        json.dump(data, f)
+    import run_benchmarks
+
+    run_benchmarks.write_report(str(tmp_path / "report"), quick=True)
+    assert "ops a step (kernel launches on a GPU)" in (tmp_path / "report" / "benchmarks.md").read_text()
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="device_check.py starts its own JAX and torch processes: run once, in the torch pass")
+def test_device_check_dry_run(tmp_path):
+    import subprocess
+
+    out = tmp_path / "rows.json"
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "device_check.py")
+    done = subprocess.run([sys.executable, script, "--dry-run", "--json", str(out)],
+                          capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    measured = {(r["config"].split(" [")[-1], r["optimizer"]) for r in rows if r["ms"] is not None}
+    for part, name in [("JAX, jit, donated]", "optax.adafactor"), ("JAX, jit, donated]", "keras_tpu_optim.EmbeddingAdam [BCOO]"),
+                       ("torch]", "keras_tpu_optim.Adafactor [torch.compile]"), ("torch]", "keras_tpu_optim.Adafactor [grouped off]"),
+                       ("torch]", "keras_tpu_optim.EmbeddingAdam [dense, CPU forms]"), ("torch]", "torch.optim.SparseAdam [sparse]")]:
+        assert (part, name) in measured, (part, name, rows)
+    assert "| Adafactor |" in done.stdout and "| EmbeddingAdam |" in done.stdout

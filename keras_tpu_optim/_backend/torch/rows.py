@@ -55,11 +55,11 @@ def touched_rows(gradient, scratch=None):
         return torch.nonzero(gradient).squeeze(1)
     rows = gradient.reshape(gradient.shape[0], -1)
     norms = None if scratch is None else scratch.empty((rows.shape[0],), NORMS_SLOT, torch.float32, rows.device)
-    if rows.device.type != "cpu":
+    if not scaled_norms_apply(rows.device.type):
         norms = torch.linalg.vector_norm(rows, ord=1, dim=1, dtype=torch.float32, out=norms)
         return torch.nonzero(norms).squeeze(1)
     if norms is None:
-        norms = torch.empty((rows.shape[0],), dtype=torch.float32)
+        norms = torch.empty((rows.shape[0],), dtype=torch.float32, device=rows.device)
     step = max(1, _CPU_CHUNK_ELEMENTS // max(1, rows.shape[1]))
     for start in range(0, rows.shape[0], step):
         chunk = rows[start : start + step]
@@ -68,6 +68,11 @@ def touched_rows(gradient, scratch=None):
         )
         torch.linalg.vector_norm(scaled, dim=1, dtype=torch.float32, out=norms[start : start + step])
     return torch.nonzero(norms).squeeze(1)
+
+
+def scaled_norms_apply(device_type: str) -> bool:
+    """Whether `touched_rows` reads a gradient as scaled L2 norms (measured faster on CPU) or as 1-norms."""
+    return device_type == "cpu"
 
 
 @torch.no_grad()
