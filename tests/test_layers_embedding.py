@@ -404,3 +404,22 @@ def test_tf_distribute_strategy_raises():
         model, _ = table_model({})
     with pytest.raises(ValueError, match="tf.distribute strategy"):
         model.train_on_batch(np.asarray(STEP_IDS[0], np.int32), targets(0, (BATCH, K, DIM)))
+
+
+@pytest.mark.parametrize("wrap, named", [
+    (lambda adam: keras.optimizers.LossScaleOptimizer(adam), "LossScaleOptimizer"),
+    (lambda adam: keras.optimizers.Adam(0.01, gradient_accumulation_steps=2), "gradient_accumulation_steps=2"),
+], ids=["loss_scale", "accumulation"])
+def test_model_optimizer_that_scales_or_accumulates_raises_naming_it(wrap, named):
+    """The looked-up rows' gradient would arrive scaled by the loss scale, or the table would be updated at every
+    micro-step of an accumulated step: the first training call raises, before anything is updated."""
+    model, layer = pooled_layer_model()
+    before = numpy_of(layer.embeddings)
+    model.compile(optimizer=wrap(keras.optimizers.Adam(0.01)), loss="mse")
+    ids, y = fit_data()
+    with pytest.raises(ValueError, match=named):
+        model.train_on_batch(ids[:BATCH], y[:BATCH])
+    np.testing.assert_array_equal(numpy_of(layer.embeddings), before)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")  # an unscaled optimizer trains on
+    model.train_on_batch(ids[:BATCH], y[:BATCH])
+    assert float(numpy_of(layer.iterations)) == 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import keras
 from keras import ops
 
@@ -20,6 +22,47 @@ _UNSUPPORTED = {
     "skip_nonfinite_updates": "the rest of the model's gradients are not known to one lookup",
     "slot_variable_creation_fn": "the layer creates and saves the table's slots itself",
 }
+
+
+def _training_model_optimizer():
+    """The optimizer of the outermost compiled `keras.Model` on the call stack, or None.
+
+    Keras's trainers (`fit`, `train_on_batch`) and a custom `train_step` call
+    the layer from a method of the model being trained, whose optimizer is the
+    one that will receive the step's gradients.
+    """
+    found = None
+    frame = sys._getframe(2)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.Model) and getattr(owner, "optimizer", None) is not None:
+            found = owner.optimizer
+        frame = frame.f_back
+    return found
+
+
+def _check_model_optimizer(layer_name):
+    """Raise if the model's optimizer would change what the lookup's backward pass computes: loss scaling
+    (the looked-up rows' gradients arrive scaled) or gradient accumulation (the table would be updated at every
+    micro-step, its step count held back)."""
+    optimizer = _training_model_optimizer()
+    if optimizer is None:
+        return
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            f"keras_tpu_optim.layers.Embedding '{layer_name}' with `optimizer`: the model's optimizer is a "
+            "`LossScaleOptimizer`, which scales the loss, so the gradient of the looked-up rows, from which the "
+            "table is updated in the lookup's backward pass, would arrive scaled. Compile the model with an "
+            "unscaled optimizer (use `mixed_bfloat16` for mixed precision), or use this layer without `optimizer`."
+        )
+    steps = getattr(optimizer, "gradient_accumulation_steps", None)
+    if steps:
+        raise ValueError(
+            f"keras_tpu_optim.layers.Embedding '{layer_name}' with `optimizer`: the model's optimizer has "
+            f"`gradient_accumulation_steps={steps}`, but the table is updated in the backward pass of every "
+            "step, not once per accumulated step. Compile the model without `gradient_accumulation_steps`, or "
+            "use this layer without `optimizer`."
+        )
 
 
 def _check_optimizer(optimizer):
@@ -80,7 +123,8 @@ class Embedding(keras.layers.Embedding):
     `embeddings_constraint`, LoRA or quantization; the model's optimizer does
     not scale the loss or accumulate gradients over steps (no
     `LossScaleOptimizer`, no `mixed_float16` policy, no
-    `gradient_accumulation_steps`).
+    `gradient_accumulation_steps`; checked where the model being trained
+    calls the layer, in `fit`, `train_on_batch` or its `train_step`).
 
     Args:
         input_dim, output_dim, embeddings_initializer, embeddings_regularizer,
@@ -181,6 +225,7 @@ class Embedding(keras.layers.Embedding):
         if inputs.dtype != "int32" and inputs.dtype != "int64":
             inputs = ops.cast(inputs, "int32")
         self._check_one_lookup_per_step()
+        _check_model_optimizer(self.name)
         optimizer = self._table_optimizer
         outputs = _backend.get().trained_lookup(
             inputs,
