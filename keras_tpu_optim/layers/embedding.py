@@ -115,7 +115,7 @@ class Embedding(keras.layers.Embedding):
 
     Requirements, each checked where it can be: the layer is called once per
     training step (to look up several id tensors, concatenate them; checked
-    where the step is traced); no `tf.distribute` strategy; the
+    but in eager TensorFlow); no `tf.distribute` strategy; the
     table is read only through the layer; the optimizer has no `use_ema`,
     `gradient_accumulation_steps`, `clipnorm`, `global_clipnorm`,
     `loss_scale_factor`, `skip_nonfinite_updates` or
@@ -242,7 +242,8 @@ class Embedding(keras.layers.Embedding):
         """Raise if the layer looks up twice in one traced training step (each lookup would update the table).
 
         Detected where the step is traced (a JAX trace, a TF graph function), by the step's value of
-        `iterations`, which is the same within one trace; not in eager TF or torch.
+        `iterations`, which is the same within one trace; torch checks in the lookup's backward pass
+        (`_backend/torch`); eager TF does not.
         """
         trace = _backend.get().lookup_trace(self.iterations)
         if trace is not None and trace is self._last_lookup_trace:

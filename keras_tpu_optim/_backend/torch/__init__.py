@@ -195,22 +195,48 @@ def trained_lookup(ids, state, iterations, row_update_arguments, *, lazy, accumu
         accumulate_duplicates=accumulate_duplicates,
         scratch=scratch_of(owner),
     )
-    return _TrainedLookup.apply(ids, iterations.value, state[0].value, update)
+    check = functools.partial(_check_one_update_per_step, owner, iterations.value)
+    return _TrainedLookup.apply(ids, iterations.value, state[0].value, update, check)
 
 
 class _TrainedLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ids, step, table, update):
-        ctx.update = update
+    def forward(ctx, ids, step, table, update, check):
+        ctx.update, ctx.check = update, check
         ctx.save_for_backward(ids, step)
         return ops.take(table, ids, axis=0)
 
     @staticmethod
     def backward(ctx, row_gradients):
         ids, step = ctx.saved_tensors
+        ctx.check()
         with torch.no_grad():
             ctx.update(ids, row_gradients, step)
-        return None, step + 1, None, None
+        return None, step + 1, None, None, None
+
+
+# Each trained layer's step count (the tensor and its in-place version) at its table's last update.
+_last_updates: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _check_one_update_per_step(owner, iterations):
+    """Raise if the table was updated at this value of `iterations` already.
+
+    The model's optimizer advances `iterations` (in place, which bumps the
+    tensor's version) after each step's backward pass; a second backward pass
+    before that is a second lookup in one step. Read without a host sync.
+    """
+    key = (id(iterations), iterations._version)
+    if _last_updates.get(owner) == key:
+        del _last_updates[owner]  # the next step, once the model's optimizer has run, is a fresh one
+        raise ValueError(
+            f"keras_tpu_optim.layers.Embedding '{owner.name}' with `optimizer` is called twice in one training "
+            "step (its table was updated at this step already); each call would update the table by itself. Look "
+            "all ids up in one call (concatenate them), or use a layer without `optimizer`. (The same is raised "
+            "when the model's optimizer did not advance the layer's `iterations` since the last update: it must "
+            "receive the layer's trainable variables.)"
+        )
+    _last_updates[owner] = key
 
 
 def _update_looked_up_rows(
