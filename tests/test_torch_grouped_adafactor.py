@@ -119,6 +119,30 @@ def test_two_largest_factors_the_two_largest_axes(monkeypatch):
     assert tuple(optimizer._state_of(variables[0]).slots[0].shape) == (5,)  # the row statistics: without axis 0
 
 
+def test_skip_nonfinite_updates_skips_a_grouped_step_whole(monkeypatch):
+    """A step with a NaN in one variable's gradient changes no variable, slot or step count of any group; the
+    finite steps around it are the numpy reference's (which never sees the skipped step)."""
+    inits, grads = _data(SHAPES, 3, seed=6)
+    variables = [keras.Variable(x) for x in inits]
+    optimizer = _optimizer(variables, beta_1=0.9, skip_nonfinite_updates=True)
+    reference = NumpyAdafactor(learning_rate=0.5, beta_1=0.9)
+    _forbid_per_variable_steps(monkeypatch)
+    expected = reference.step(inits, grads[0])
+    optimizer.apply([torch.tensor(g) for g in grads[0]], variables)
+    before = [_numpy(v) for v in optimizer.variables]
+    poisoned = [g.copy() for g in grads[1]]
+    poisoned[2].flat[3] = np.nan
+    optimizer.apply([torch.tensor(g) for g in poisoned], variables)
+    for was, now in zip(before, optimizer.variables):
+        np.testing.assert_array_equal(_numpy(now), was)
+    for variable, want in zip(variables, expected):
+        np.testing.assert_allclose(_numpy(variable), want, rtol=1e-4, atol=1e-6)
+    expected = reference.step(expected, grads[2])
+    optimizer.apply([torch.tensor(g) for g in grads[2]], variables)
+    for i, (variable, want) in enumerate(zip(variables, expected)):
+        np.testing.assert_allclose(_numpy(variable), want, rtol=1e-4, atol=1e-6, err_msg=f"variable {i}")
+
+
 def test_stochastic_rounding_keys_each_variable_of_a_group(monkeypatch):
     # Two equal bfloat16 variables with equal gradients, one group: the numpy reference's float32
     # result rounded with each variable's own bits (its index in the optimizer).
