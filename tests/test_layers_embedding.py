@@ -408,10 +408,13 @@ def test_tf_distribute_strategy_raises():
 @pytest.mark.parametrize("wrap, named", [
     (lambda adam: keras.optimizers.LossScaleOptimizer(adam), "LossScaleOptimizer"),
     (lambda adam: keras.optimizers.Adam(0.01, gradient_accumulation_steps=2), "gradient_accumulation_steps=2"),
-], ids=["loss_scale", "accumulation"])
+    (lambda adam: keras.optimizers.Adam(0.01, loss_scale_factor=128.0), "loss_scale_factor=128.0"),
+    (lambda adam: kto.Adafactor(skip_nonfinite_updates=True), "skip_nonfinite_updates=True"),
+], ids=["loss_scale", "accumulation", "loss_scale_factor", "skip_nonfinite"])
 def test_model_optimizer_that_scales_or_accumulates_raises_naming_it(wrap, named):
-    """The looked-up rows' gradient would arrive scaled by the loss scale, or the table would be updated at every
-    micro-step of an accumulated step: the first training call raises, before anything is updated."""
+    """The looked-up rows' gradient would arrive scaled by the loss scale, the table would be updated at every
+    micro-step of an accumulated step, or a skipped step could not undo its update: the first training call
+    raises, before anything is updated."""
     model, layer = pooled_layer_model()
     before = numpy_of(layer.embeddings)
     model.compile(optimizer=wrap(keras.optimizers.Adam(0.01)), loss="mse")

@@ -119,6 +119,29 @@ def test_two_largest_factors_the_two_largest_axes(monkeypatch):
     assert tuple(optimizer._state_of(variables[0]).slots[0].shape) == (5,)  # the row statistics: without axis 0
 
 
+@pytest.mark.parametrize("platform", ["gpu", "cpu"])
+def test_float64_variables_keep_the_per_variable_step(platform):
+    """The grouped step's float32 reductions refuse float64 tensors: float64 variables beside float32 ones take
+    the per-variable step (float32 arithmetic and state, as for every dtype) and the numpy reference's numbers."""
+    shapes = [(6, 4), (6, 4), (5,)]
+    inits, grads = _data(shapes, 3, seed=8)
+    variables = [keras.Variable(x.astype(np.float64), dtype="float64") for x in inits[:2]] + [keras.Variable(inits[2])]
+    optimizer = _optimizer(variables, platform=platform)
+    reference = NumpyAdafactor(learning_rate=0.5)
+    expected = [x.astype(np.float64) for x in inits]
+    for step_grads in grads:
+        expected = reference.step(expected, [g.astype(np.float64) for g in step_grads])
+        optimizer.apply([torch.tensor(g).to(v.value.dtype) for g, v in zip(step_grads, variables)], variables)
+    for variable, want in zip(variables[:2], expected[:2]):
+        assert variable.value.dtype == torch.float64
+        np.testing.assert_allclose(_numpy_exact(variable), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_numpy(variables[2]), expected[2], rtol=1e-4, atol=1e-6)
+
+
+def _numpy_exact(x):
+    return keras.ops.convert_to_numpy(x).astype(np.float64)
+
+
 def test_skip_nonfinite_updates_skips_a_grouped_step_whole(monkeypatch):
     """A step with a NaN in one variable's gradient changes no variable, slot or step count of any group; the
     finite steps around it are the numpy reference's (which never sees the skipped step)."""

@@ -25,26 +25,35 @@ _UNSUPPORTED = {
 
 
 def _training_model_optimizer():
-    """The optimizer of the outermost compiled `keras.Model` on the call stack, or None.
+    """The optimizer of the model whose `train_step` is running (the innermost on the call stack), or None.
 
-    Keras's trainers (`fit`, `train_on_batch`) and a custom `train_step` call
-    the layer from a method of the model being trained, whose optimizer is the
-    one that will receive the step's gradients.
+    Keras's trainers (`fit`, `train_on_batch`) call the model's `train_step`,
+    and a custom one is the model's own method too: its model's optimizer is
+    the one that receives the step's gradients.
     """
-    found = None
     frame = sys._getframe(2)
     while frame is not None:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, keras.Model) and getattr(owner, "optimizer", None) is not None:
-            found = owner.optimizer
+        if frame.f_code.co_name == "train_step":
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, keras.Model):
+                return getattr(owner, "optimizer", None)
         frame = frame.f_back
-    return found
+    return None
+
+
+# The model optimizer's options that change what the lookup's backward pass receives or when the table may
+# be updated, with why: each raises a `ValueError` naming it at the first training call.
+_UNSUPPORTED_IN_THE_MODEL = {
+    "gradient_accumulation_steps": "the table is updated in the backward pass of every step, not once per "
+                                   "accumulated step",
+    "loss_scale_factor": "the loss is scaled, so the gradient of the looked-up rows would arrive scaled",
+    "skip_nonfinite_updates": "a skipped step cannot undo the table's update, made in the lookup's backward pass",
+}
 
 
 def _check_model_optimizer(layer_name):
-    """Raise if the model's optimizer would change what the lookup's backward pass computes: loss scaling
-    (the looked-up rows' gradients arrive scaled) or gradient accumulation (the table would be updated at every
-    micro-step, its step count held back)."""
+    """Raise if the model's optimizer would change what the lookup's backward pass computes (loss scaling)
+    or when the table may be updated (accumulated or skipped steps)."""
     optimizer = _training_model_optimizer()
     if optimizer is None:
         return
@@ -55,14 +64,14 @@ def _check_model_optimizer(layer_name):
             "table is updated in the lookup's backward pass, would arrive scaled. Compile the model with an "
             "unscaled optimizer (use `mixed_bfloat16` for mixed precision), or use this layer without `optimizer`."
         )
-    steps = getattr(optimizer, "gradient_accumulation_steps", None)
-    if steps:
-        raise ValueError(
-            f"keras_tpu_optim.layers.Embedding '{layer_name}' with `optimizer`: the model's optimizer has "
-            f"`gradient_accumulation_steps={steps}`, but the table is updated in the backward pass of every "
-            "step, not once per accumulated step. Compile the model without `gradient_accumulation_steps`, or "
-            "use this layer without `optimizer`."
-        )
+    for name, why in _UNSUPPORTED_IN_THE_MODEL.items():
+        value = getattr(optimizer, name, None)
+        if value:
+            raise ValueError(
+                f"keras_tpu_optim.layers.Embedding '{layer_name}' with `optimizer`: the model's optimizer has "
+                f"`{name}={value!r}`, which is not supported ({why}). Compile the model without it, or use this "
+                "layer without `optimizer`."
+            )
 
 
 def _check_optimizer(optimizer):

@@ -100,12 +100,20 @@ def grouped_adafactor_applies(platform: str, size: int) -> bool:
     return platform != "cpu" or size <= CPU_GROUPED_ELEMENTS
 
 
+# The dtypes the grouped step computes in float32 (float64 variables keep the per-variable steps'
+# float64 arithmetic).
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def adafactor_steps(optimizer, grads, variables, learning_rate, keras_steps):
     """Keras's loop over `update_step` (`keras_steps`), the variables on a grouped platform stepped by group."""
     if _private.in_stateless_scope():
         keras_steps(grads, variables, learning_rate)
         return
-    by_group = [grouped_adafactor_applies(optimizer._platform_of(v), math.prod(v.shape)) for v in variables]
+    by_group = [
+        v.value.dtype in _GROUPED_DTYPES and grouped_adafactor_applies(optimizer._platform_of(v), math.prod(v.shape))
+        for v in variables
+    ]
     if not all(by_group):
         keras_steps(
             [g for g, on in zip(grads, by_group) if not on], [v for v, on in zip(variables, by_group) if not on],
