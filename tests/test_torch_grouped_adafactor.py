@@ -240,7 +240,7 @@ def test_chunks_of_a_group_give_the_same_numbers(monkeypatch):
         for step_grads in grads:
             optimizer.apply([torch.tensor(g) for g in step_grads], variables)
         results.append([_numpy(v) for v in variables])
-        plan = next(iter(torch_backend._plans[optimizer].values()))
+        _, plan = next(iter(torch_backend._plans[optimizer].values()))  # (alone, chunks)
         assert [len(positions) for positions, _, _ in plan] == ([7] if chunk_elements > 1000 else [2, 2, 2, 1])
     for one, chunked in zip(*results):
         np.testing.assert_array_equal(one, chunked)

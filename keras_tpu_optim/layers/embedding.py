@@ -130,10 +130,10 @@ class Embedding(keras.layers.Embedding):
     `loss_scale_factor`, `skip_nonfinite_updates` or
     `slot_variable_creation_fn`; the table has no `embeddings_regularizer`,
     `embeddings_constraint`, LoRA or quantization; the model's optimizer does
-    not scale the loss or accumulate gradients over steps (no
-    `LossScaleOptimizer`, no `mixed_float16` policy, no
-    `gradient_accumulation_steps`; checked where the model being trained
-    calls the layer, in `fit`, `train_on_batch` or its `train_step`).
+    not scale the loss, accumulate gradients over steps or skip steps (no
+    `LossScaleOptimizer`, `mixed_float16` policy, `loss_scale_factor`,
+    `gradient_accumulation_steps` or `skip_nonfinite_updates`; checked where
+    the model's `train_step`, Keras's or its own, calls the layer).
 
     Args:
         input_dim, output_dim, embeddings_initializer, embeddings_regularizer,

@@ -100,8 +100,7 @@ def grouped_adafactor_applies(platform: str, size: int) -> bool:
     return platform != "cpu" or size <= CPU_GROUPED_ELEMENTS
 
 
-# The dtypes the grouped step computes in float32 (float64 variables keep the per-variable steps'
-# float64 arithmetic).
+# The dtypes the grouped step takes (its reductions are float32, which torch refuses to narrow float64 to).
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -110,27 +109,20 @@ def adafactor_steps(optimizer, grads, variables, learning_rate, keras_steps):
     if _private.in_stateless_scope():
         keras_steps(grads, variables, learning_rate)
         return
-    by_group = [
-        v.value.dtype in _GROUPED_DTYPES and grouped_adafactor_applies(optimizer._platform_of(v), math.prod(v.shape))
-        for v in variables
-    ]
-    if not all(by_group):
-        keras_steps(
-            [g for g, on in zip(grads, by_group) if not on], [v for v, on in zip(variables, by_group) if not on],
-            learning_rate,
-        )
-    if not any(by_group):
+    alone, groups = _group_plan(optimizer, variables)
+    if alone:
+        keras_steps([grads[p] for p in alone], [variables[p] for p in alone], learning_rate)
+    if not groups:
         return
-    pairs = [(g, v) for g, v, on in zip(grads, variables, by_group) if on]
     learning_rate = ops.convert_to_tensor(learning_rate)
     step = ops.convert_to_tensor(optimizer.iterations) + 1
-    for positions, indices, axes in _group_plan(optimizer, [v for _, v in pairs]):
+    for positions, indices, axes in groups:
         members = []
         for position in positions:
-            gradient, variable = pairs[position]
+            variable = variables[position]
             state = optimizer._state_of(variable)
             members.append(grouped.Member(
-                variable.value, densify(gradient), tuple(s.value for s in state.slots),
+                variable.value, densify(grads[position]), tuple(s.value for s in state.slots),
                 None if state.momentum is None else state.momentum.value,
             ))
         grouped.adafactor_group_step(
@@ -138,13 +130,14 @@ def adafactor_steps(optimizer, grads, variables, learning_rate, keras_steps):
         )
 
 
-# Each optimizer's grouping of its variables, by the list of variables a step updates.
+# Each optimizer's plan of its steps, by the list of variables a step updates.
 _plans: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _group_plan(optimizer, variables) -> list:
-    """`(positions, indices, axes)` per chunk of a group: the chunk's positions in `variables`, its variables'
-    indices in the optimizer (an int32 tensor), its factored axes. Computed once per list of variables."""
+def _group_plan(optimizer, variables) -> tuple:
+    """`(alone, groups)`: the positions in `variables` of those stepped one at a time (Keras's loop), and
+    `(positions, indices, axes)` per chunk of a group: the chunk's positions, its variables' indices in the
+    optimizer (an int32 tensor), its factored axes. Computed once per list of variables."""
     key = tuple(_private.variable_index(optimizer, v) for v in variables)
     if torch.compiler.is_compiling():
         return _new_group_plan(optimizer, variables, key)  # traced once; no cache to guard on
@@ -155,19 +148,24 @@ def _group_plan(optimizer, variables) -> list:
     return plan
 
 
-def _new_group_plan(optimizer, variables, key) -> list:
-    groups = {}
+def _new_group_plan(optimizer, variables, key) -> tuple:
+    alone, groups = [], {}
     for position, variable in enumerate(variables):
+        if variable.value.dtype not in _GROUPED_DTYPES or not grouped_adafactor_applies(
+            optimizer._platform_of(variable), math.prod(variable.shape)
+        ):
+            alone.append(position)
+            continue
         state = optimizer._state_of(variable)
         axes = optimizer._options.factored_axes(variable.shape) if len(state.slots) == 2 else None
         momentum = None if state.momentum is None else state.momentum.value
         groups.setdefault(grouped.group_key(variable.value, state.slots, momentum, axes), []).append(position)
-    plan = []
+    chunks = []
     for group, positions in groups.items():
         for chunk in grouped.chunked(positions, math.prod(group[0])):
             indices = torch.tensor([key[p] for p in chunk], dtype=torch.int32, device=group[2])
-            plan.append((chunk, indices, group[3]))
-    return plan
+            chunks.append((chunk, indices, group[3]))
+    return alone, chunks
 
 
 def embedding_adam_step(optimizer, gradient, variable, learning_rate):
