@@ -270,6 +270,7 @@ def test_no_host_device_synchronisation(monkeypatch):
     assert sum(counts.values()) == 0, {k: v for k, v in counts.items() if v}
 
 
+@pytest.mark.processes  # inductor compiles its C++ kernels in compiler subprocesses
 @pytest.mark.parametrize("platform", ["gpu", "cpu"], ids=["grouped", "cpu_kernels"])
 def test_compiles_whole_with_the_eager_numbers(platform):
     shapes = [(300, 200), (64, 32), (32,), (32, 16), (64, 32), ()]

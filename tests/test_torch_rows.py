@@ -109,6 +109,7 @@ COMPILED_OPTIONS = {
 }
 
 
+@pytest.mark.processes  # inductor compiles its C++ kernels in compiler subprocesses
 @pytest.mark.parametrize("name", list(COMPILED_OPTIONS))
 def test_compiled_dense_step_is_one_graph_with_the_numpy_numbers(name):
     """Under `torch.compile` (Keras's `jit_compile=True`) a dense gradient's lazy step has static shapes:
