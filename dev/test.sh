@@ -5,7 +5,8 @@
 # slowest tests, then the total.
 #
 #   bash dev/test.sh            every test, on TensorFlow, JAX and torch (what CI runs)
-#   bash dev/test.sh --quick    the unit tests only: no subprocesses, multi-process jobs, demo or benchmarks
+#   bash dev/test.sh --quick    the unit tests only (no subprocesses, multi-process jobs, demo or benchmarks),
+#                               each parametrized test in as many cases as run every parameter value once
 #
 # Extra arguments go to pytest (`bash dev/test.sh -k adafactor`). TEST_WORKERS sets the number
 # of xdist workers per pass (default 2, this machine's cores; 0 runs in the pytest process).
@@ -16,7 +17,7 @@ selection=()
 compile_faster=""
 if [ "${1:-}" = "--quick" ]; then
   shift
-  selection=(tests -m "not processes")
+  selection=(tests -m "not processes" --each-value-once)
   # The unit tests' tensors are tiny and compiling is most of their time: XLA's CPU code generated
   # without the fusion emitters and LLVM's expensive passes compiles faster, and runs slower, which
   # the processes the full run starts (real fits, several devices) would pay for.

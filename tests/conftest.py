@@ -23,6 +23,48 @@ def pytest_runtest_setup(item):
         pytest.skip(f"backend-neutral: runs once, in the {NEUTRAL_PASS} pass")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--each-value-once",
+        action="store_true",
+        help="of each parametrized test, run only the cases it takes for every parameter value to run "
+        "at least once (dev/test.sh --quick); without it, every combination runs",
+    )
+
+
+def _parameter_values(item) -> set:
+    """The (argument, value) pairs of a test case; a case without parameters is one value of its own."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return {None}
+    values = set()
+    for name, value in callspec.params.items():
+        try:
+            values.add((name, type(value), hash(value), value))
+        except TypeError:  # A list or dict: parametrize passes the same object to every case it is in.
+            values.add((name, id(value)))
+    return values
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--each-value-once"):
+        return
+    # Cases in collection order; a case is kept if it runs a value no kept case of its test has run.
+    covered: dict = {}
+    kept, left_out = [], []
+    for item in items:
+        test = (item.path, item.cls, getattr(item, "originalname", item.name))
+        values = _parameter_values(item)
+        seen = covered.setdefault(test, set())
+        if values - seen:
+            seen |= values
+            kept.append(item)
+        else:
+            left_out.append(item)
+    items[:] = kept
+    config.hook.pytest_deselected(items=left_out)
+
+
 def pytest_report_header(config):
     return f"keras {keras.__version__}, backend: {keras.backend.backend()}"
 
@@ -46,7 +88,7 @@ _MAX_MAPS_BEFORE_CLEARING = 20000
 def _memory_maps() -> int:
     try:
         with open("/proc/self/maps", "rb") as maps:
-            return sum(1 for _ in maps)
+            return maps.read().count(b"\n")
     except OSError:  # Not Linux: no such limit to watch.
         return 0
 
