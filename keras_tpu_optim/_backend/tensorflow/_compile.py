@@ -34,7 +34,7 @@ _eager: dict = {}
 
 
 def compiled_function(owner, key, make, *, xla: bool = True):
-    """`tf.function(make(), jit_compile=True)`, made once per `(owner, key)`; `key` names all `make` depends on.
+    """`tf.function(make(), jit_compile=True, autograph=False)`, made once per `(owner, key)`; `key` names all `make` depends on.
 
     A trace belongs to its owner: one made inside one model's train function
     must not be called from another's (TF then refers to the first model's
@@ -48,8 +48,10 @@ def compiled_function(owner, key, make, *, xla: bool = True):
     key = (key, xla)
     function = functions.get(key)
     if function is None:
+        # No autograph: the bodies are keras.ops code without Python control flow on tensors (JAX
+        # traces the same code), and converting them took a large share of every trace.
         if xla:
-            function = tf.function(make(), jit_compile=True)
+            function = tf.function(make(), autograph=False, jit_compile=True)
         else:
             function = tf.function(make(), autograph=False, experimental_attributes={"_noinline": True})
         functions[key] = function
