@@ -1,16 +1,29 @@
 """Shared test set-up. Each backend's tests run in their own process (dev/test.sh)."""
 
-import keras
+import importlib.metadata
+import os
+
 import pytest
 
-if keras.backend.backend() == "tensorflow":
-    import tensorflow as tf
 
-    # Two logical CPU devices for the tf.distribute.MirroredStrategy tests, set before TF
-    # initialises its devices (ops run on the first unless placed).
-    tf.config.set_logical_device_configuration(
-        tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
-    )
+def _runs_tests(config) -> bool:
+    """False in pytest-xdist's controller, which only hands tests to its workers (and need not import Keras)."""
+    return hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)
+
+
+def pytest_configure(config):
+    if not _runs_tests(config):
+        return
+    import keras
+
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        # Two logical CPU devices for the tf.distribute.MirroredStrategy tests, set before TF
+        # initialises its devices (ops run on the first unless placed).
+        tf.config.set_logical_device_configuration(
+            tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
+        )
 
 
 # Backend-neutral tests (the import graph, numpy references, files read without the package) run
@@ -19,6 +32,8 @@ NEUTRAL_PASS = "jax"
 
 
 def pytest_runtest_setup(item):
+    import keras
+
     if item.get_closest_marker("backend_neutral") and keras.backend.backend() != NEUTRAL_PASS:
         pytest.skip(f"backend-neutral: runs once, in the {NEUTRAL_PASS} pass")
 
@@ -66,6 +81,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_report_header(config):
+    if not _runs_tests(config):  # Keras not imported here: its backend as the workers will read it.
+        return f"keras {importlib.metadata.version('keras')}, KERAS_BACKEND={os.environ.get('KERAS_BACKEND', '(unset)')}"
+    import keras
+
     return f"keras {keras.__version__}, backend: {keras.backend.backend()}"
 
 
@@ -73,6 +92,8 @@ def pytest_report_header(config):
 def _fresh_keras_state():
     # Not Keras's default `gc.collect()` before every test: about 0.15 s each, most of a
     # small test's time; Python collects as it goes.
+    import keras
+
     keras.backend.clear_session(free_memory=False)
     yield
 
@@ -96,6 +117,8 @@ def _memory_maps() -> int:
 @pytest.fixture(autouse=True)
 def _bounded_jax_caches():
     yield
+    import keras
+
     if keras.backend.backend() == "jax" and _memory_maps() > _MAX_MAPS_BEFORE_CLEARING:
         import jax
 
