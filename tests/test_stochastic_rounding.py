@@ -165,15 +165,17 @@ def test_every_result_is_one_of_the_two_neighbours(dtype):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_mean_over_seeds_is_the_float32_value(dtype):
     """Each rounding is a Bernoulli draw between the neighbours: the mean of n draws is within
-    6 standard errors, `6 * (above - below) / (2 sqrt(n))`, of x; round-to-nearest is not."""
+    6 standard errors, `6 * (above - below) / (2 sqrt(n))`, of x; round-to-nearest is not.
+    The n draws of a value: 20 seeds times 20 copies of it at other element indices."""
     rng = np.random.default_rng(3)
     base = rng.uniform(1.0, 2.0, size=32).astype(np.float32)
     x = np.concatenate([base, -base / 3, base * 2.0**-20]).astype(np.float32)  # the last in fp16's subnormals
     below, above = neighbours(x, dtype)
-    n = 400
+    seeds, copies = 20, 20
+    n = seeds * copies
     total = np.zeros(x.shape, np.float64)
-    for seed in range(n):
-        total += round_on_backend(x, dtype, seed, 1, 0)
+    for seed in range(seeds):
+        total += round_on_backend(np.tile(x, (copies, 1)), dtype, seed, 1, 0).sum(axis=0)
     mean = total / n
     bound = 6 * (above - below) / (2 * np.sqrt(n))
     assert np.all(np.abs(mean - x) <= bound + 1e-12), np.max(np.abs(mean - x) / (above - below))
