@@ -6,7 +6,8 @@
 #
 #   bash dev/test.sh            every test, on TensorFlow, JAX and torch (what CI runs)
 #   bash dev/test.sh --quick    the unit tests only (no subprocesses, multi-process jobs, demo or benchmarks),
-#                               each parametrized test in as many cases as run every parameter value once
+#                               each parametrized test in as many cases as run every parameter value once;
+#                               JAX's and TF's XLA programs are kept in .test-cache/ for the next run
 #
 # Extra arguments go to pytest (`bash dev/test.sh -k adafactor`). TEST_WORKERS sets the number
 # of xdist workers per pass (default 2, this machine's cores; 0 runs in the pytest process).
@@ -15,8 +16,10 @@ start=$(date +%s)
 echo "environment ready after $(( $(date +%s) - start )) s"
 selection=()
 compile_faster=""
+quick=""
 if [ "${1:-}" = "--quick" ]; then
   shift
+  quick=1
   selection=(tests -m "not processes" --each-value-once)
   # The unit tests' tensors are tiny and compiling is most of their time: XLA's CPU code generated
   # without the fusion emitters and LLVM's expensive passes compiles faster, and runs slower, which
@@ -33,8 +36,19 @@ fi
 # (the tests' tensors are tiny; compiling is most of their time), and one JAX compilation cache
 # for the run, shared by the workers and the processes tests start (identical programs compile once).
 export XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 $compile_faster ${XLA_FLAGS:-}"
-JAX_COMPILATION_CACHE_DIR="$(mktemp -d)"
-trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
+if [ -n "$quick" ]; then
+  # The quick tier keeps its compiled programs between runs (JAX's and TF's XLA caches, in the
+  # ignored .test-cache/): a rerun compiles only what changed. Emptied past 1 GiB.
+  cache="$repo/.test-cache"
+  if [ -d "$cache" ] && [ "$(du -sm "$cache" | cut -f1)" -gt 1024 ]; then rm -rf "$cache"; fi
+  mkdir -p "$cache/jax" "$cache/tf-xla"
+  JAX_COMPILATION_CACHE_DIR="$cache/jax"
+  export TF_XLA_FLAGS="--tf_xla_persistent_cache_directory=$cache/tf-xla ${TF_XLA_FLAGS:-}"
+else
+  # The full tier (what CI runs) starts from nothing, every time.
+  JAX_COMPILATION_CACHE_DIR="$(mktemp -d)"
+  trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
+fi
 export JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 failed=()
 for backend in tensorflow jax torch; do
