@@ -38,8 +38,11 @@ fi
 export XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 $compile_faster ${XLA_FLAGS:-}"
 if [ -n "$quick" ]; then
   # The quick tier keeps its compiled programs between runs (JAX's and TF's XLA caches, in the
-  # ignored .test-cache/): a rerun compiles only what changed. Emptied past 1 GiB.
-  cache="$repo/.test-cache"
+  # ignored .test-cache/): a rerun compiles only what changed. One folder per environment and
+  # XLA_FLAGS (TF's cache key holds neither), the others removed; emptied past 1 GiB.
+  key="$(printf '%s %s' "$(cat "$stamp")" "$XLA_FLAGS" | sha256sum | cut -c1-12)"
+  cache="$repo/.test-cache/$key"
+  find "$repo/.test-cache" -mindepth 1 -maxdepth 1 ! -name "$key" -exec rm -rf {} + 2>/dev/null || true
   if [ -d "$cache" ] && [ "$(du -sm "$cache" | cut -f1)" -gt 1024 ]; then rm -rf "$cache"; fi
   mkdir -p "$cache/jax" "$cache/tf-xla"
   JAX_COMPILATION_CACHE_DIR="$cache/jax"

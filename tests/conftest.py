@@ -82,7 +82,8 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_report_header(config):
     if not _runs_tests(config):  # Keras not imported here: its backend as the workers will read it.
-        return f"keras {importlib.metadata.version('keras')}, KERAS_BACKEND={os.environ.get('KERAS_BACKEND', '(unset)')}"
+        backend = os.environ.get("KERAS_BACKEND", "(unset)")
+        return f"keras {importlib.metadata.version('keras')}, KERAS_BACKEND={backend}"
     import keras
 
     return f"keras {keras.__version__}, backend: {keras.backend.backend()}"

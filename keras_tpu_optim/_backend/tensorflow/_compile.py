@@ -34,7 +34,9 @@ _eager: dict = {}
 
 
 def compiled_function(owner, key, make, *, xla: bool = True):
-    """`tf.function(make(), jit_compile=True, autograph=False)`, made once per `(owner, key)`; `key` names all `make` depends on.
+    """`tf.function(make(), jit_compile=True, autograph=False)`, made once per `(owner, key)`.
+
+    `key` names all `make` depends on.
 
     A trace belongs to its owner: one made inside one model's train function
     must not be called from another's (TF then refers to the first model's
