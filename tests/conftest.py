@@ -14,9 +14,7 @@ def _runs_tests(config) -> bool:
 def pytest_configure(config):
     if not _runs_tests(config):
         return
-    import keras
-
-    if keras.backend.backend() == "tensorflow":
+    if _backend() == "tensorflow":
         import tensorflow as tf
 
         # Two logical CPU devices for the tf.distribute.MirroredStrategy tests, set before TF
@@ -31,10 +29,14 @@ def pytest_configure(config):
 NEUTRAL_PASS = "jax"
 
 
-def pytest_runtest_setup(item):
-    import keras
+def _backend() -> str:
+    import keras  # Here, not at the top: pytest-xdist's controller never needs it (`_runs_tests`).
 
-    if item.get_closest_marker("backend_neutral") and keras.backend.backend() != NEUTRAL_PASS:
+    return keras.backend.backend()
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("backend_neutral") and _backend() != NEUTRAL_PASS:
         pytest.skip(f"backend-neutral: runs once, in the {NEUTRAL_PASS} pass")
 
 
@@ -81,12 +83,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_report_header(config):
-    if not _runs_tests(config):  # Keras not imported here: its backend as the workers will read it.
-        backend = os.environ.get("KERAS_BACKEND", "(unset)")
-        return f"keras {importlib.metadata.version('keras')}, KERAS_BACKEND={backend}"
-    import keras
-
-    return f"keras {keras.__version__}, backend: {keras.backend.backend()}"
+    # pytest-xdist's controller does not import Keras: the backend its workers will read.
+    backend = _backend() if _runs_tests(config) else f"KERAS_BACKEND={os.environ.get('KERAS_BACKEND', '(unset)')}"
+    return f"keras {importlib.metadata.version('keras')}, backend: {backend}"
 
 
 @pytest.fixture(autouse=True)
@@ -118,9 +117,7 @@ def _memory_maps() -> int:
 @pytest.fixture(autouse=True)
 def _bounded_jax_caches():
     yield
-    import keras
-
-    if keras.backend.backend() == "jax" and _memory_maps() > _MAX_MAPS_BEFORE_CLEARING:
+    if _backend() == "jax" and _memory_maps() > _MAX_MAPS_BEFORE_CLEARING:
         import jax
 
         jax.clear_caches()
