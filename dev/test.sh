@@ -33,9 +33,11 @@ if [ "$workers" != "0" ]; then
   parallel=(-n "$workers" --dist worksteal)
 fi
 # Test-run settings, not the package's: XLA's CPU code generated without LLVM's optimisations
-# (the tests' tensors are tiny; compiling is most of their time), and one JAX compilation cache
-# for the run, shared by the workers and the processes tests start (identical programs compile once).
-export XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 $compile_faster ${XLA_FLAGS:-}"
+# (the tests' tensors are tiny; compiling is most of their time) and in one piece (XLA splits a
+# program's LLVM module into parts compiled on a thread pool, which on two cores busy with two
+# workers only adds work), and one JAX compilation cache for the run, shared by the workers and
+# the processes tests start (identical programs compile once).
+export XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_cpu_parallel_codegen_split_count=1 $compile_faster ${XLA_FLAGS:-}"
 if [ -n "$quick" ]; then
   # The quick tier keeps its compiled programs between runs (JAX's and TF's XLA caches, in the
   # ignored .test-cache/): a rerun compiles only what changed. One folder per environment and
