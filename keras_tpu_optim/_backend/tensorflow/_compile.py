@@ -52,9 +52,7 @@ def compiled_function(owner, key, make, *, xla: bool = True):
     if function is None:
         # No autograph: the bodies are keras.ops code without Python control flow on tensors (JAX
         # traces the same code), and converting them took a large share of every trace.
-        if xla:
-            function = tf.function(make(), autograph=False, jit_compile=True)
-        else:
-            function = tf.function(make(), autograph=False, experimental_attributes={"_noinline": True})
+        kind = {"jit_compile": True} if xla else {"experimental_attributes": {"_noinline": True}}
+        function = tf.function(make(), autograph=False, **kind)
         functions[key] = function
     return function
