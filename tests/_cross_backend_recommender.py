@@ -32,7 +32,7 @@ def build_model(vocabulary, dim, ids_per_example):
 
 def train(data, options):
     vocabulary, dim = data["embedding"].shape
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     model = build_model(vocabulary, dim, data["ids"].shape[1])
     model.set_weights([data["embedding"], data["kernel"], data["bias"]])
     optimizer = kto.EmbeddingAdam(

@@ -188,7 +188,7 @@ def test_tf_mirrored_strategy_matches_single_device():
     from _mirrored import mirrored_strategy
 
     def train(name, strategy):
-        keras.backend.clear_session()
+        keras.backend.clear_session(free_memory=False)
         with strategy.scope():
             model = _model()
             model.compile(optimizer=OPTIMIZERS[name](), loss="mse")

@@ -336,12 +336,12 @@ def test_orbax_checkpoint_resumes_with_load_checkpoint(tmp_path):
     variables; `kto.load_checkpoint` restores them into a fresh model, which trains on exactly as the original."""
     pytest.importorskip("orbax.checkpoint")
     ids, y = fit_data()
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     model, layer = pooled_layer_model(seed=0)
     directory = str(tmp_path / "ckpt")
     checkpoint = keras.callbacks.OrbaxCheckpoint(directory, save_freq=len(STEP_IDS), save_on_background=False)
     model.fit(ids, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[checkpoint])
-    keras.backend.clear_session()  # the fresh model gets the saved model's layer names
+    keras.backend.clear_session(free_memory=False)  # the fresh model gets the saved model's layer names
     restored, restored_layer = pooled_layer_model(seed=1)
     kto.load_checkpoint(restored, directory)
     for trained in (model, restored):

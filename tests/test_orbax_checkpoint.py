@@ -24,7 +24,7 @@ STEPS, BATCH = 2, 8
 def _model(optimizer, seed=1):
     # Orbax checkpoints hold variables by path: a fresh name scope gives the
     # rebuilt model the layer names of the saved one.
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     return compile_model(make_model("mlp", seed=seed), "mlp", optimizer)
 
 
