@@ -49,6 +49,11 @@ OPTIMIZERS = {
     "adafactor_beta_1_ema_accumulation": lambda: kto.Adafactor(
         learning_rate=0.01, beta_1=0.9, use_ema=True, gradient_accumulation_steps=2
     ),
+    # "adafactor" (and named so: checkpoints hold optimizer variables by path) with a schedule
+    # of the same value, to resume a checkpoint with a float learning rate it has no variable for.
+    "adafactor_constant_schedule": lambda: kto.Adafactor(
+        learning_rate=keras.optimizers.schedules.PiecewiseConstantDecay([1000], [0.01, 0.01]), name="adafactor"
+    ),
 }
 
 

@@ -8,8 +8,9 @@ configuration in turn, so the start-up and the distributed handshake are paid on
      (mid-accumulation for the accumulating configurations): the uninterrupted run;
   2. one process x 8 devices, same mesh: the reference fit, no checkpoint;
   3. two processes rebuild the model, restore with `keras_tpu_optim.load_checkpoint` and fit the
-     last 2 steps; then load_weights into a differently configured optimizer must raise;
-  4. one process x 8 devices resumes the two-process checkpoint.
+     last 2 steps (Adafactor also with a schedule in place of its float learning rate); then
+     load_weights into a differently configured optimizer must raise;
+  4. one process x 8 devices resumes the two-process checkpoint (the schedule too).
 Every wait is bounded, every child is ended on failure and each one's log is shown.
 """
 
@@ -89,11 +90,20 @@ def test_two_processes_fit_checkpoint_and_resume(tmp_path):
             "optimizer": "adafactor",
         }
     )
+    # The same checkpoint resumed with a schedule of the same value in place of the float
+    # learning rate: the saved learning_rate has no variable here and is skipped.
+    schedule_runs = {
+        job: {"op": "resume", "name": f"adafactor_schedule_resumed_{job}", "optimizer": "adafactor_constant_schedule",
+              "checkpoint": checkpoint["adafactor"], "resume_at": SAVE_AT}
+        for job in ("2x4", "1x8")
+    }
+    resume_runs.append(schedule_runs["2x4"])
     resume_runs.append({"op": "save_keras", "name": "save_keras", "optimizer": "embedding_adam"})
     resume_1x8 = [
         {"op": "resume", "name": f"{c}_resumed_1x8", "optimizer": c, "checkpoint": checkpoint[c], "resume_at": SAVE_AT}
         for c in CONFIGS
     ]
+    resume_1x8.append(schedule_runs["1x8"])
     _jobs(tmp_path, "resume", [("resume", 2, resume_runs), ("resume_1x8", 1, resume_1x8)])
 
     for c in CONFIGS:
@@ -121,6 +131,15 @@ def test_two_processes_fit_checkpoint_and_resume(tmp_path):
                 if "_dense_kernel_average_steps" in path or "_dense_kernel_accumulation_window" in path:
                     continue  # EmbeddingAdam's per-row int32 counters (EMA, accumulation): the kernel's rows are not split
                 assert local * 2 == total, (c, path, local, total, spec)
+
+    weights, state = run_arrays(out, "adafactor_2x4")
+    paths = _held(out, "adafactor_2x4", 0)["paths"]
+    state = [value for path, value in zip(paths, state) if path != "adafactor/learning_rate"]
+    for run in schedule_runs.values():
+        got_weights, got_state = run_arrays(out, run["name"])
+        assert _held(out, run["name"], 0)["paths"] == [p for p in paths if p != "adafactor/learning_rate"]
+        for got, want in zip(got_weights + got_state, weights + state, strict=True):
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-7, err_msg=run["name"])
 
     # model.save cannot write state no process holds whole; our part says what to use.
     for process_id in range(2):

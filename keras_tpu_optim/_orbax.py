@@ -188,15 +188,21 @@ def _abstract_tree(metadata: dict, state: dict) -> dict:
     distribution; without one Orbax places each array as it was saved, which fails
     wherever the saving devices do not exist here (a checkpoint of a 2-process or
     8-device job restored on one device). With the placements always given, a
-    checkpoint restores onto any mesh (or none) its shapes fit.
+    checkpoint restores onto any mesh (or none) its shapes fit. A saved array this model
+    has no variable for (a float learning rate where a schedule now stands, a metric it no
+    longer computes; Keras's `set_state_tree` skips those) is read onto this process's
+    first device.
     """
     import jax
+
+    here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
     def leaf(meta, ref):
         if isinstance(meta, dict):
             return {key: leaf(value, (ref or {}).get(key) if isinstance(ref, dict) else None) for key, value in meta.items()}
         if hasattr(meta, "shape") and hasattr(meta, "dtype"):
-            return jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=getattr(ref, "sharding", None))
+            sharding = getattr(ref, "sharding", None)
+            return jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=here if sharding is None else sharding)
         return None
 
     return {key: leaf(value, state.get(key)) for key, value in metadata.items()}
