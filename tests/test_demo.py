@@ -47,6 +47,10 @@ def test_quick_demo_trains_prints_summary_and_writes_figure(tmp_path):
     per_row = re.search(r"^keras_tpu_optim\.layers\.Embedding\(per_row\)\s+([\d.]+)\s+[\d.]+\s+([\d,]+)", out, re.M)
     assert per_row and 0 < int(per_row.group(2).replace(",", "")) < 256, out[-2000:]
     assert f"final loss {per_row.group(1)} against" in out
+    # Keras's TF optimizers square an IndexedSlices gradient's values before summing duplicate ids: said on TF only.
+    from keras_tpu_optim._demo import TF_SPARSE_NOTE
+
+    assert (TF_SPARSE_NOTE in out) == (keras.backend.backend() == "tensorflow")
 
 
 def test_backend_option_runs_the_demo_on_that_backend_in_its_own_process(monkeypatch):
