@@ -143,7 +143,7 @@ class Run:
         pass
 
 
-# `--huge-pages`: ours' tables advised with keras_tpu_optim.tuning.advise_huge_pages after build (JAX, opt-in).
+# `--huge-pages`: ours' tables and row slots advised for huge pages after build (JAX, cpu_tuning.py).
 ADVISE_HUGE_PAGES = False
 
 
@@ -160,10 +160,12 @@ class KerasJaxRun(Run):
         opt = make_opt()
         opt.build([var])
         if ADVISE_HUGE_PAGES:
+            import cpu_tuning
             import keras_tpu_optim
 
             if isinstance(opt, keras_tpu_optim.EmbeddingAdam):
-                keras_tpu_optim.tuning.advise_huge_pages(opt)
+                cpu_tuning.advise_huge_pages([var], collapse=True)
+                cpu_tuning.advise_huge_pages([v for v in opt.variables if v.shape and v.shape[0] == var.shape[0]])
         self.opt_vals = [v.value for v in opt.variables]
         self.train_vals = [var.value]
         self.grads = [jnp.asarray(g) for g in dense_grads]
@@ -457,7 +459,7 @@ def main(argv=None):
                          "(on JAX: then no dense gradients are built, so larger tables fit)")
     ap.add_argument("--quick", action="store_true", help="small tables, for smoke tests")
     ap.add_argument("--huge-pages", action="store_true",
-                    help="JAX: advise ours' tables for huge pages after build (keras_tpu_optim.tuning, opt-in)")
+                    help="JAX: advise ours' tables for huge pages after build (cpu_tuning.py)")
     ap.add_argument("--interleave", action="store_true",
                     help="with --only: build every size's run first, then time them a step each in turn "
                          "(all sizes in memory at once; growth figures without load drift between sizes)")

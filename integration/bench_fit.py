@@ -176,9 +176,9 @@ def worker(name: str, quick: bool, steps: int, warmup: int, release_compile_heap
     import numpy as np
 
     if release_compile_heap and keras.backend.backend() == "jax":
-        import keras_tpu_optim as kto
+        import cpu_tuning
 
-        kto.tuning.release_compile_heap()  # in every optimizer's process alike, SGD's included
+        cpu_tuning.release_compile_heap()  # in every optimizer's process alike, SGD's included
 
     if name in (OURS_BF16, OURS_BF16_SR):
         keras.config.set_dtype_policy("bfloat16")
@@ -375,7 +375,7 @@ def main(argv=None):
                     help="run every optimizer in this process (smoke tests: one process's memory is shared, "
                          "so its figures are no measurement)")
     ap.add_argument("--release-compile-heap", action="store_true",
-                    help="JAX: call keras_tpu_optim.tuning.release_compile_heap() in every worker (each optimizer's "
+                    help="JAX: call cpu_tuning.release_compile_heap() in every worker (each optimizer's "
                          "process alike)")
     ap.add_argument("--json", default=None, help="write the results as JSON to this path")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)

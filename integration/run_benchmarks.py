@@ -7,7 +7,7 @@ ratios against the peers, with the date and the machine) and
 `integration/results/benchmarks.png` (bar chart of the step-time ratios). With
 `--quick` everything is small and goes to `integration/results/quick/` so a smoke
 run never overwrites the real report. On JAX the step and `fit` benchmarks run once
-more with the opt-in `keras_tpu_optim.tuning` calls (`TUNED`).
+more with the process-wide tunings of `cpu_tuning.py` (`TUNED`).
 
 Usage:
     python integration/run_benchmarks.py [--quick] [--backends tensorflow,jax,torch]
@@ -31,7 +31,7 @@ BENCHES = ("adafactor", "embedding_adam", "embedding_options", "fit", "recommend
 # Benchmarks of one backend's own concern: run on that backend alone.
 ONLY_ON = {"torch_launches": "torch"}
 PASS = {True: "PASS", False: "**MISS**", None: "n/a"}
-# JAX again with the opt-in `keras_tpu_optim.tuning` calls (the defaults change nothing process-wide):
+# JAX again with the process-wide tunings of `cpu_tuning.py` (the defaults change nothing process-wide):
 # (bench, the script's extra arguments, the JSON's name).
 TUNED = (
     ("embedding_adam", ["--only", "[BCOO]", "--sizes", "1M,10M", "--interleave", "--huge-pages"], "embedding_adam_jax_tuned"),
@@ -255,14 +255,14 @@ def write_markdown(results, status, path, quick):
 
 
 def _tuned_section(results):
-    """JAX with the opt-in `keras_tpu_optim.tuning` calls, beside the defaults of the sections above."""
+    """JAX with the process-wide tunings of `cpu_tuning.py`, beside the defaults of the sections above."""
     tuned_steps, tuned_fit = results.get(("embedding_adam_jax_tuned", "jax")), results.get(("fit_jax_tuned", "jax"))
     if not tuned_steps and not tuned_fit:
         return []
     lines = [
         "## JAX with the opt-in tunings",
         "",
-        "The optimizers change nothing process-wide. `keras_tpu_optim.tuning.advise_huge_pages` (the BCOO step: "
+        "The optimizers change nothing process-wide. `cpu_tuning.advise_huge_pages` (the BCOO step: "
         "`bench_embedding_adam.py --only '[BCOO]' --sizes 1M,10M --interleave --huge-pages`, both sizes in memory, "
         "a step each in turn) and `release_compile_heap` (`bench_fit.py --release-compile-heap --no-bf16`, in every "
         "optimizer's process alike), against the same configurations without them in the sections above.",

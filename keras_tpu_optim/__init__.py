@@ -7,8 +7,6 @@
   TPU embedding engines.
 - `keras_tpu_optim.layers.Embedding`: `keras.layers.Embedding` trained by its own
   `EmbeddingAdam` in the backward pass of its lookup, at the cost of the rows looked up.
-- `keras_tpu_optim.tuning`: opt-in CPU memory tunings for JAX (nothing
-  process-wide happens unless you call them).
 - `load_checkpoint`: resume from a `keras.callbacks.OrbaxCheckpoint` with the saved
   state checked against the model and optimizer first.
 """
@@ -17,7 +15,7 @@ __version__ = "0.1.0"
 
 from keras_tpu_optim.adafactor import Adafactor
 from keras_tpu_optim.embedding_adam import EmbeddingAdam
-from keras_tpu_optim import layers, tpu, tuning
+from keras_tpu_optim import layers, tpu
 from keras_tpu_optim._orbax import load_checkpoint
 
-__all__ = ["Adafactor", "EmbeddingAdam", "layers", "load_checkpoint", "tpu", "tuning", "__version__"]
+__all__ = ["Adafactor", "EmbeddingAdam", "layers", "load_checkpoint", "tpu", "__version__"]

@@ -207,10 +207,6 @@ class Adafactor(OptimizerBase):
     def __dir__(self):
         return sorted(set(super().__dir__()) | _OPTION_NAMES)
 
-    def _is_factored(self, shape) -> bool:
-        """Whether a variable of this shape keeps row/column statistics only."""
-        return self._options.is_factored(shape)
-
     def _make_state(self, variable) -> VariableState:
         """Row and column statistics (factored) or a full `v` (unfactored), and the momentum if `beta_1`.
 

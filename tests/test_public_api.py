@@ -40,10 +40,9 @@ def test_public_names_beyond_keras_are_the_documented_arguments_and_methods(cls)
 
 
 def test_package_exports_what_its_docstring_lists():
-    assert set(kto.__all__) == {"Adafactor", "EmbeddingAdam", "layers", "load_checkpoint", "tpu", "tuning", "__version__"}
+    assert set(kto.__all__) == {"Adafactor", "EmbeddingAdam", "layers", "load_checkpoint", "tpu", "__version__"}
     for name in kto.__all__[:-1]:
         assert f"`{name}" in kto.__doc__ or f"keras_tpu_optim.{name}" in kto.__doc__, name
-    assert set(kto.tuning.__all__) == {"release_compile_heap", "advise_huge_pages"}
 
 
 def test_adafactor_hyperparameters_set_after_a_step_take_effect_at_the_next():

@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from keras_tpu_optim._backend import blocks
-from keras_tpu_optim._backend.torch.scratch import Scratch  # noqa: F401  (the kernel's scratch)
 from keras_tpu_optim._math import stochastic_rounding
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
