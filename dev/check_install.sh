@@ -6,10 +6,43 @@
 #   bash dev/check_install.sh                 jax, torch and tensorflow
 #   bash dev/check_install.sh jax             one extra
 #   EXTRA_PINS="torch==2.13.0" bash dev/check_install.sh torch   pins added to the install
+#   bash dev/check_install.sh --keras-nightly [pytest args]   the quick test tier with the next Keras
 #
 # torch: pass a CPU pin (as above) on a machine without a GPU, or pip takes a multi-GB CUDA build.
+#
+# --keras-nightly: before widening the `keras` bound in pyproject.toml, runs `dev/test.sh --quick`
+# (extra arguments go to pytest) in the dev environment with the Keras release candidate below (or
+# KERAS_NIGHTLY) in place of requirements.txt's Keras: installed without dependencies into
+# .venv/keras-nightly and put first on PYTHONPATH, the environment itself left as it is.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [ "${1:-}" = "--keras-nightly" ]; then
+  shift
+  nightly="${KERAS_NIGHTLY:-keras-nightly==3.16.0.dev2026102704}"
+  . "$repo/dev/env.sh"
+  target="$repo/.venv/keras-nightly"
+  # Reinstalled only when the version asked for is not the one there.
+  if ! [ -d "$target/$(echo "${nightly%%==*}" | tr - _)-${nightly##*==}.dist-info" ]; then
+    rm -rf "$target"
+    python -m pip install --quiet --no-deps --target "$target" "$nightly"
+  fi
+  export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
+  # The Keras the tests will import: the one in $target, not the environment's own (the numpy
+  # backend: nothing else to import).
+  version="$(KERAS_BACKEND=numpy python - "$target" <<'PY'
+import os, sys
+import keras
+if not os.path.abspath(keras.__file__).startswith(os.path.abspath(sys.argv[1]) + os.sep):
+    sys.exit(f"imported keras from {keras.__file__}, not from {sys.argv[1]}")
+print(keras.__version__)
+PY
+)"
+  echo "Keras $version from $target"
+  status=0
+  bash "$repo/dev/test.sh" --quick "$@" || status=$?
+  echo "Quick tier with Keras $version: $([ "$status" = 0 ] && echo passed || echo FAILED)"
+  exit "$status"
+fi
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 "${PYTHON:-python3}" -m pip wheel --quiet --no-deps --wheel-dir "$work/dist" "$repo"

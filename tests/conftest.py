@@ -82,10 +82,17 @@ def pytest_collection_modifyitems(config, items):
     config.hook.pytest_deselected(items=left_out)
 
 
+def _keras_distribution() -> str:
+    """The installed distribution `import keras` finds first on sys.path: `keras`, or `keras-nightly` put
+    ahead of it (`dev/check_install.sh --keras-nightly`). Read without importing Keras."""
+    return importlib.metadata.packages_distributions().get("keras", ["keras"])[0]
+
+
 def pytest_report_header(config):
     # pytest-xdist's controller does not import Keras: the backend its workers will read.
     backend = _backend() if _runs_tests(config) else f"KERAS_BACKEND={os.environ.get('KERAS_BACKEND', '(unset)')}"
-    return f"keras {importlib.metadata.version('keras')}, backend: {backend}"
+    distribution = _keras_distribution()
+    return f"{distribution} {importlib.metadata.version(distribution)}, backend: {backend}"
 
 
 @pytest.fixture(autouse=True)
