@@ -94,19 +94,19 @@ def test_platform_of_a_variable_here_is_cpu():
 
 
 @pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
-def test_adafactor_reductions_by_platform(platform):
-    reductions = _backend.get().adafactor_reductions(platform)
+def test_adafactor_evaluation_by_platform(platform):
+    evaluation = _backend.get().adafactor_evaluation(platform)
     if platform == "cpu" and BACKEND in ("tensorflow", "jax"):
-        assert type(reductions) is not adafactor_math.Reductions
-        assert type(reductions).__module__ == f"keras_tpu_optim._backend.{BACKEND}.adafactor"
+        assert type(evaluation) is not adafactor_math.Evaluation
+        assert type(evaluation).__module__ == f"keras_tpu_optim._backend.{BACKEND}.adafactor"
     else:
-        assert reductions is adafactor_math.NEUTRAL
+        assert evaluation is adafactor_math.NEUTRAL
 
 
-@pytest.mark.skipif(BACKEND != "torch", reason="the in-place CPU kernel is the torch backend's")
+@pytest.mark.skipif(BACKEND != "torch", reason="the blocked CPU step is the torch backend's")
 @pytest.mark.parametrize("platform,expected", [("cpu", True), ("gpu", False), ("mps", False)])
-def test_torch_in_place_kernel_only_on_cpu(platform, expected):
-    assert _backend.get().fused_adafactor_applies(platform) is expected
+def test_torch_blocked_step_only_on_cpu(platform, expected):
+    assert _backend.get().blocked_adafactor_applies(platform) is expected
 
 
 def _run(platform, monkeypatch=None):
@@ -126,15 +126,14 @@ def test_injected_platform_picks_neutral_kernels_with_the_same_numbers(monkeypat
     cpu = _run("cpu")
     module = _backend.get()
     if BACKEND in ("tensorflow", "jax"):
-        cpu_class = type(module.adafactor_reductions("cpu"))
-        for method in ("mean_square", "row_mean_of_square", "column_mean_of_square",
-                       "row_mean_of_weighted_square", "separately"):
+        cpu_class = type(module.adafactor_evaluation("cpu"))
+        for method in ("square_sums", "weighted_square_sum", "sum", "separately"):
             if method in vars(cpu_class):
                 monkeypatch.setattr(cpu_class, method, _forbidden(method))
     else:
         from keras_tpu_optim._backend.torch import adafactor as torch_adafactor
 
-        monkeypatch.setattr(torch_adafactor, "adafactor_step", _forbidden("the in-place kernel"))
+        monkeypatch.setattr(torch_adafactor, "blocked_step", _forbidden("the blocked step"))
     for platform in ("gpu", "tpu"):
         keras.backend.clear_session(free_memory=False)
         for ours, theirs in zip(_run(platform), cpu):

@@ -6,7 +6,7 @@ trains with our Adafactor and, from the same weights, with
 numbers, so the losses of every step and the final weights agree to float32
 round-off. On TensorFlow the feed-forward kernels' gradients inside Keras's
 traced train step have a partly unknown static shape (`(None, 64)` for a
-`(16, 64)` kernel), which this model exercises in the CPU block kernel.
+`(16, 64)` kernel), which this model exercises in the CPU step in blocks.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ dimensions (TF's gradient of a reshaped matmul is `(None, 64)` for a
 `(32, 64)` kernel). Every kernel takes its shapes from the variable. Here the
 gradients come in through `tf.function` input signatures with unknown
 dimensions (or an unknown rank), on each path: `tf.function` (Adafactor's
-CPU block kernel for float32, its XLA-compiled step for bfloat16;
+CPU step in blocks for float32, its XLA-compiled step for bfloat16;
 EmbeddingAdam's compiled row update of `tf.IndexedSlices`, its dense rows),
 `jit_compile=True`, `MirroredStrategy` over two logical CPU devices (the
 conftest splits the CPU), gradient accumulation and stochastic rounding;

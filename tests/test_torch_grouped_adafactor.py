@@ -1,4 +1,4 @@
-"""torch's grouped Adafactor step (`_backend/torch/grouped.py`): variables of one shape and dtype
+"""torch's grouped Adafactor step (`_backend/torch/adafactor.py`'s `grouped_step`): variables of one shape and dtype
 stepped together, in a number of ops that grows with the groups, not the variables.
 
 References: the numpy Adafactor (`tests/reference/numpy_adafactor.py`; for
@@ -30,7 +30,6 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from keras_tpu_optim._backend import neutral  # noqa: E402
 from keras_tpu_optim._backend import torch as torch_backend  # noqa: E402
 from keras_tpu_optim._backend.torch import adafactor as torch_kernel  # noqa: E402
-from keras_tpu_optim._backend.torch import grouped  # noqa: E402
 from reference.numpy_adafactor import NumpyAdafactor  # noqa: E402
 from test_stochastic_rounding import reference_round  # noqa: E402
 
@@ -50,7 +49,7 @@ def _forbid_per_variable_steps(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a per-variable Adafactor step ran where the grouped step applies")
 
-    monkeypatch.setattr(torch_kernel, "adafactor_step", forbidden)
+    monkeypatch.setattr(torch_kernel, "blocked_step", forbidden)
     monkeypatch.setattr(neutral, "adafactor_step", forbidden)
 
 
@@ -215,12 +214,12 @@ def test_ops_grow_with_groups_not_variables(options):
     assert many <= 40 + 50 * 2  # one per variable and 50 per group at most
 
 
-def test_large_cpu_variables_take_the_in_place_kernel_small_ones_the_groups(monkeypatch):
+def test_large_cpu_variables_take_the_blocked_step_small_ones_the_groups(monkeypatch):
     calls = []
-    kernel = torch_kernel.adafactor_step
-    group_step = grouped.adafactor_group_step
-    monkeypatch.setattr(torch_kernel, "adafactor_step", lambda grad, param, *a, **k: (calls.append(("kernel", param.numel())), kernel(grad, param, *a, **k)))
-    monkeypatch.setattr(grouped, "adafactor_group_step", lambda members, **k: (calls.append(("group", len(members))), group_step(members, **k)))
+    blocked_step = torch_kernel.blocked_step
+    grouped_step = torch_kernel.grouped_step
+    monkeypatch.setattr(torch_kernel, "blocked_step", lambda grad, param, *a, **k: (calls.append(("kernel", param.numel())), blocked_step(grad, param, *a, **k)))
+    monkeypatch.setattr(torch_kernel, "grouped_step", lambda members, **k: (calls.append(("group", len(members))), grouped_step(members, **k)))
     big = torch_backend.CPU_GROUPED_ELEMENTS * 2
     shapes = [(big // 64, 64), (64,), (8, 8)]
     variables = [keras.Variable(np.ones(s, np.float32)) for s in shapes]
@@ -233,8 +232,8 @@ def test_chunks_of_a_group_give_the_same_numbers(monkeypatch):
     shapes = [(12, 10)] * 7
     inits, grads = _data(shapes, 3, seed=9)
     results = []
-    for chunk_elements in (grouped.CHUNK_ELEMENTS, 250):  # 7 variables in one stack; in 4 stacks of 2, 2, 2, 1
-        monkeypatch.setattr(grouped, "CHUNK_ELEMENTS", chunk_elements)
+    for chunk_elements in (torch_kernel.GROUP_ELEMENTS, 250):  # 7 variables in one stack; in 4 stacks of 2, 2, 2, 1
+        monkeypatch.setattr(torch_kernel, "GROUP_ELEMENTS", chunk_elements)
         variables = [keras.Variable(x) for x in inits]
         optimizer = _optimizer(variables, beta_1=0.9)
         for step_grads in grads:

@@ -28,8 +28,8 @@ functions; the optimizers call them and never ask which backend runs:
   then the EMA); `keras_apply` is Keras's own. The rows of sparse gradients
   are accumulated sparsely where the backend can
   (`optimizer._accumulates_rows`); eager JAX runs only the branch taken.
-- `adafactor_reductions(platform)`: the reductions Adafactor's math uses on
-  that platform (see `_math.adafactor.Reductions`).
+- `adafactor_evaluation(platform)`: how Adafactor's sums are evaluated on
+  that platform (see `_math.adafactor.Evaluation`).
 - `state_creation_scope()`: the context `build` creates the optimizer's state
   in (TF: out of a function being traced, so that each variable is created
   and initialised once, eagerly, not as a traced initializer function).
@@ -43,9 +43,9 @@ functions; the optimizers call them and never ask which backend runs:
   (the same object for every lookup of one trace), or None where steps are
   not traced.
 
-Kernels measured on one platform are chosen by platform (a variable's, from
+Evaluations measured on one platform are chosen by platform (a variable's, from
 `platform_of`), and the neutral `keras.ops` form runs everywhere else
-(docs/algorithms.md#platform-specific-kernels lists which runs where).
+(docs/algorithms.md#platform-specific-evaluation lists which runs where).
 Dependencies point down: optimizers -> `_backend` -> `_backend.neutral` ->
 `_math` -> `keras.ops`; a backend package imports its framework, never the
 optimizer classes.
@@ -72,7 +72,7 @@ INTERFACE = (
     "embedding_adam_step",
     "apply_gradients",
     "cond",
-    "adafactor_reductions",
+    "adafactor_evaluation",
     "state_creation_scope",
     "trained_lookup",
     "lookup_trace",

@@ -50,7 +50,7 @@ def state_creation_scope():
     return contextlib.nullcontext()
 
 
-def adafactor_step(optimizer, gradient, variable, learning_rate, reductions=adafactor_math.NEUTRAL):
+def adafactor_step(optimizer, gradient, variable, learning_rate, evaluation=adafactor_math.NEUTRAL):
     """One Adafactor step on a dense gradient, through the optimizer's `assign`s."""
     state = optimizer._state_of(variable)
     step = optimizer.iterations + 1
@@ -58,7 +58,7 @@ def adafactor_step(optimizer, gradient, variable, learning_rate, reductions=adaf
     delta, new_slots, new_momentum = adafactor_results(
         gradient, variable, tuple(s.value for s in state.slots),
         None if state.momentum is None else state.momentum.value,
-        learning_rate=learning_rate, step=step, options=options, reductions=reductions,
+        learning_rate=learning_rate, step=step, options=options, evaluation=evaluation,
     )
     assign_update(
         variable, delta, state.slots, new_slots, state.momentum, new_momentum,
@@ -72,7 +72,7 @@ def adafactor_steps(optimizer, grads, variables, learning_rate, keras_steps):
     keras_steps(grads, variables, learning_rate)
 
 
-def adafactor_results(gradient, variable, slots, momentum, *, learning_rate, step, options, reductions):
+def adafactor_results(gradient, variable, slots, momentum, *, learning_rate, step, options, evaluation):
     """`adafactor_math.adafactor_update` on a step's tensors (the slots and momentum already read): float32
     inputs, the factored axes of the variable's shape. Returns `(delta, new_slots, new_momentum)`."""
     return adafactor_math.adafactor_update(
@@ -83,23 +83,25 @@ def adafactor_results(gradient, variable, slots, momentum, *, learning_rate, ste
         learning_rate=ops.cast(learning_rate, "float32"),
         step=ops.cast(step, "float32"),
         options=options,
-        reductions=reductions,
         factored_axes=options.factored_axes(variable.shape),
+        evaluation=evaluation,
     )
 
 
-def variable_rounding(options, step, variable_index, shape):
+def variable_rounding(options, step, variable_index, shape, offset=0):
     """How a step's float32 result is cast to a variable's dtype: `ops.cast`, or stochastic rounding.
 
     `step` is `iterations + 1` (an integer scalar), `variable_index` the
     variable's position in the optimizer's list: with the seed, the key of
-    the rounding's random bits (`_math.stochastic_rounding`).
+    the rounding's random bits (`_math.stochastic_rounding`). `shape` is the
+    variable's static shape (None: the result's), `offset` the element index
+    of the result's first element when it is a block of the variable.
     """
     if not options.stochastic_rounding:
         return ops.cast
     return functools.partial(
-        stochastic_rounding.stochastic_round,
-        seed=options.seed, step=step, variable_index=variable_index, shape=tuple(shape),
+        stochastic_rounding.stochastic_round, seed=options.seed, step=step, variable_index=variable_index,
+        shape=None if shape is None else tuple(shape), offset=offset,
     )
 
 

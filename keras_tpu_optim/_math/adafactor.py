@@ -1,22 +1,24 @@
-"""Adafactor's update rule as small pure functions of float32 arrays.
+"""Adafactor's update, written once in `keras.ops` (docs/algorithms.md#adafactor).
 
-The neutral formulation: `keras.ops` only, no backend or platform checks. It
-is what runs wherever no measured kernel exists, and the reference the
-backend kernels are tested against. The formulas are those of
-docs/algorithms.md#adafactor; names follow Shazeer & Stern (2018): `rho` the
-relative step size, `alpha` the absolute step size, `R`/`C` the row/column
-second-moment statistics.
+Names follow Shazeer & Stern (2018): `rho` the relative step size, `alpha` the
+absolute step size, `R`/`C` the row/column second-moment statistics.
 
-A factored step is a few reductions over the gradient. `Reductions` holds
-their neutral forms; a backend may pass a subclass whose forms were measured
-faster on a platform (same values to float32 rounding).
+A step is two phases. `preconditioned` reads the whole variable (its RMS, the
+statistics of the gradient, RMS(update)) and returns the new statistics and
+the factors that turn the gradient into the update; `update` is elementwise:
+the update, the momentum, and so the delta of any part of the variable from
+the same part of the gradient and factors. Every sum of the first phase goes
+through an `Evaluation`, which decides how it is computed (the order of a
+reduction, blocks of the leading axis, a fusion barrier, variables stacked on
+a leading axis), never what: a platform changes the evaluation, not the
+formula.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from keras import ops
 
@@ -131,31 +133,50 @@ def joined_options(structure: AdafactorOptions, values: dict) -> AdafactorOption
     return options
 
 
-class Reductions:
-    """The reductions of an Adafactor step, in plain `keras.ops`."""
+class Evaluation:
+    """How the sums of a step are computed: the neutral form, whole arrays.
 
-    def mean_square(self, x):
-        """`mean(x^2)` over all elements."""
-        return ops.mean(ops.square(x))
+    `batch_dims` leading axes index variables stacked together (0 or 1): a
+    sum "over the variable" (`axis=None`) is then one per variable, and so is
+    every per-variable scalar of the step (`[k]`).
+    """
 
-    def row_mean_of_square(self, x):
-        """`mean(x^2, axis=-1)`."""
-        return ops.mean(ops.square(x), axis=-1)
+    batch_dims = 0
 
-    def column_mean_of_square(self, x):
-        """`mean(x^2, axis=-2)`."""
-        return ops.mean(ops.square(x), axis=-2)
+    def square_sums(self, x, axes):
+        """`sum(x^2, axis)` for each axis of `axes` (an int, or None: the variable's every axis)."""
+        square = ops.square(x)
+        return tuple(self.sum(square, axis) for axis in axes)
 
-    def row_mean_of_weighted_square(self, x, weights):
-        """`mean(x^2 * weights[..., None, :], axis=-1)` for `x` `[..., n, m]`, `weights` `[..., m]`."""
-        return ops.mean(ops.square(x) * ops.expand_dims(weights, -2), axis=-1)
+    def weighted_square_sum(self, x, weights, axis):
+        """`sum(x^2 * weights, axis)`, `weights` broadcasting against `x`."""
+        return self.sum(ops.square(x) * weights, axis)
+
+    def sum(self, x, axis):
+        """`sum(x, axis)`; over the variable (`axis=None`) the last axis first (a reduction to a scalar runs
+        on one thread on some compilers, one to rows does not)."""
+        if axis is not None:
+            return ops.sum(x, axis=axis)
+        axes = tuple(range(self.batch_dims, len(x.shape)))
+        if len(axes) >= 2:
+            x, axes = ops.sum(x, axis=-1), axes[:-1]
+        return ops.sum(x, axis=axes) if axes else x
 
     def separately(self, x):
         """`x` (an array or a tuple), computed apart from what follows: a fusion hint, the identity here."""
         return x
 
 
-NEUTRAL = Reductions()
+NEUTRAL = Evaluation()
+
+
+class Batched(Evaluation):
+    """Variables of one shape stacked on a leading axis, each with its own sums and scalars."""
+
+    batch_dims = 1
+
+
+BATCHED = Batched()
 
 
 def relative_step_size(learning_rate, step, relative_step: bool):
@@ -163,13 +184,6 @@ def relative_step_size(learning_rate, step, relative_step: bool):
     if relative_step:
         return ops.minimum(learning_rate, ops.rsqrt(step))
     return learning_rate
-
-
-def absolute_step_size(rho, param, epsilon_2, multiply_by_parameter_scale: bool, reductions=NEUTRAL):
-    """`alpha_t`: `rho_t` scaled by the parameter's RMS (floored at epsilon_2)."""
-    if multiply_by_parameter_scale:
-        return ops.maximum(epsilon_2, ops.sqrt(reductions.mean_square(param))) * rho
-    return rho
 
 
 def second_moment_decay(step, beta_2_decay, decay_offset=0, beta_2_cap=None):
@@ -186,131 +200,97 @@ def second_moment_decay(step, beta_2_decay, decay_offset=0, beta_2_cap=None):
     return beta2_t
 
 
-def factored_second_moment(grad, row, column, beta2_t, epsilon_1, reductions=NEUTRAL):
-    """New row (`mean(G2, -1)`) and column (`mean(G2, -2)`) statistics, `G2 = g^2 + epsilon_1`."""
-    row_mean = reductions.row_mean_of_square(grad) + epsilon_1
-    column_mean = reductions.column_mean_of_square(reductions.separately(grad)) + epsilon_1
-    row = beta2_t * row + (1.0 - beta2_t) * row_mean
-    column = beta2_t * column + (1.0 - beta2_t) * column_mean
-    return row, column
-
-
-def factored_preconditioner(grad, row, column, reductions=NEUTRAL):
-    """The factors of `1 / sqrt(V)`, `V = (R / mean(R)) outer C`, never materialising V.
-
-    Returns `(row_factor, column_factor, update_mean_square)`: the update is
-    `grad * row_factor[..., :, None] * column_factor[..., None, :]`, and
-    `update_mean_square` is `mean(update^2)` computed from the factors,
-    `mean_i(r_i^2 * mean_j(g_ij^2 c_j^2))`, so that the update need not be
-    written to memory to be reduced.
-    """
-    row_factor = ops.rsqrt(row / ops.mean(row, axis=-1, keepdims=True))
-    column_factor = ops.rsqrt(column)
-    grad, row_factor, column_factor = reductions.separately((grad, row_factor, column_factor))
-    row_mean_square = reductions.row_mean_of_weighted_square(grad, ops.square(column_factor))
-    update_mean_square = ops.mean(ops.square(row_factor) * row_mean_square)
-    return row_factor, column_factor, update_mean_square
-
-
-class FactoredLayout:
-    """Moves a factored variable's axes `(a, b)` to `(-2, -1)`, and its statistics to match.
-
-    The row statistics (axis `b` reduced) keep the variable's other axes in
-    their order, `a` among them; the math wants `a` last. Likewise the column
-    statistics (axis `a` reduced) want `b` last. The identity for the last two
-    axes.
-    """
-
-    def __init__(self, rank: int, axes=None):
-        a, b = (rank - 2, rank - 1) if axes is None else axes
-        self.identity = (a, b) == (rank - 2, rank - 1)
-        self.a, self.b = a, b
-        self.a_in_row = a - (b < a)
-        self.b_in_column = b - (a < b)
-
-    def tensor_to_last(self, x):
-        return x if self.identity else ops.moveaxis(x, (self.a, self.b), (-2, -1))
-
-    def tensor_from_last(self, x):
-        return x if self.identity else ops.moveaxis(x, (-2, -1), (self.a, self.b))
-
-    def statistics_to_last(self, row, column):
-        if self.identity:
-            return row, column
-        return ops.moveaxis(row, self.a_in_row, -1), ops.moveaxis(column, self.b_in_column, -1)
-
-    def statistics_from_last(self, row, column):
-        if self.identity:
-            return row, column
-        return ops.moveaxis(row, -1, self.a_in_row), ops.moveaxis(column, -1, self.b_in_column)
-
-
-def unfactored_second_moment(grad_sq, second_moment, beta2_t):
-    return beta2_t * second_moment + (1.0 - beta2_t) * grad_sq
-
-
 def clip_factor(update_mean_square, clip_threshold):
     """`1 / max(1, RMS(u) / d)`: the update clipping of the paper (section 6), given `mean(u^2)`."""
     return 1.0 / ops.maximum(1.0, ops.sqrt(update_mean_square) / clip_threshold)
 
 
-def adafactor_update(
-    grad,
-    param,
-    second_moment_slots,
-    momentum,
-    *,
-    learning_rate,
-    step,
-    options: AdafactorOptions,
-    reductions: Reductions = NEUTRAL,
-    factored_axes=None,
-):
-    """One Adafactor step for one variable, all arrays float32.
+class Preconditioned(NamedTuple):
+    """The first phase's results: the new statistics, and the factors whose product with the gradient is
+    the clipped, scaled update (each broadcasting against the gradient)."""
 
-    Args:
-        grad: the gradient.
-        param: the parameter value (read for its RMS only).
-        second_moment_slots: `(row, column)` for a factored variable, `(v,)`
-            otherwise.
-        momentum: the first-moment slot, or None when `options.beta_1` is None.
-        learning_rate, step: scalars; `step` is `iterations + 1`.
-        options: the static options.
-        reductions: the forms of the reductions (`NEUTRAL`, or a backend's).
-        factored_axes: `options.factored_axes(variable.shape)` for a factored
-            variable (None: the last two axes). Other axes than the last two
-            are moved last around the computation (`move_factored_axes_last`);
-            the statistics keep their own layout.
+    slots: tuple
+    factors: tuple
 
-    Returns:
-        `(delta, second_moment_slots, momentum)`: `param - delta` is the new
-        parameter; the slots are the new statistics.
+
+def _size(x, axes):
+    """The number of elements along `axes` of `x`: a float, or a float32 scalar where a static dimension is
+    unknown (TF's replica updates under `tf.distribute`)."""
+    shape, size = ops.shape(x), 1
+    for axis in axes:
+        size = size * shape[axis]
+    return float(size) if isinstance(size, int) else ops.cast(size, "float32")
+
+
+def _per_variable(scalar, ndim: int, batch_dims: int):
+    """A per-variable scalar (`[]`, or `[k]` stacked) shaped to broadcast against arrays of `ndim` axes."""
+    return ops.reshape(scalar, (-1,) + (1,) * (ndim - 1)) if batch_dims else scalar
+
+
+def preconditioned(
+    grad, param, slots, *, learning_rate, step, options: AdafactorOptions, factored_axes=None, evaluation=NEUTRAL
+) -> Preconditioned:
+    """The first phase of a step: float32 `grad`, `param` (or anything `evaluation` sums like it), the slots.
+
+    `slots` is `(row, column)` for a variable factored over `factored_axes`
+    `(a, b)` of the variable (None: its last two), `(v,)` otherwise.
+    `learning_rate` and `step` (`iterations + 1`) are float32 scalars.
     """
-    o = options
+    o, ev = options, evaluation
+    batch = ev.batch_dims
+    ndim = len(grad.shape)
+    numel = _size(grad, range(batch, ndim))
     rho = relative_step_size(learning_rate, step, o.relative_step)
-    alpha = absolute_step_size(rho, param, o.epsilon_2, o.multiply_by_parameter_scale, reductions)
     beta2_t = second_moment_decay(step, o.beta_2_decay, o.decay_offset, o.beta_2_cap)
-    if len(second_moment_slots) == 2:
-        move = FactoredLayout(len(grad.shape), factored_axes)
-        grad_last = move.tensor_to_last(grad)
-        row, column = move.statistics_to_last(*second_moment_slots)
-        row, column = factored_second_moment(grad_last, row, column, beta2_t, o.epsilon_1, reductions)
-        row_factor, column_factor, update_mean_square = factored_preconditioner(grad_last, row, column, reductions)
-        # The scalars ride on the row factor: two full-size products, not four.
-        scale = alpha * clip_factor(update_mean_square, o.clip_threshold)
-        delta = grad_last * ops.expand_dims(row_factor * scale, -1) * ops.expand_dims(column_factor, -2)
-        delta = move.tensor_from_last(delta)
-        second_moment_slots = move.statistics_from_last(row, column)
-    else:
-        (v,) = second_moment_slots
-        v = unfactored_second_moment(ops.square(grad) + o.epsilon_1, v, beta2_t)
-        second_moment_slots = (v,)
-        update = grad * ops.rsqrt(v)
-        delta = update * (alpha * clip_factor(reductions.mean_square(update), o.clip_threshold))
-    if o.beta_1 is not None:
-        # Momentum of the scaled update, as optax/t5x: no bias correction. A
-        # bfloat16 slot is read into float32; the caller stores it rounded,
-        # and the step uses the float32 value (as optax's `dtype_momentum`).
-        momentum = o.beta_1 * ops.cast(momentum, "float32") + (1.0 - o.beta_1) * delta
+    alpha = rho
+    if o.multiply_by_parameter_scale:
+        (param_square_sum,) = ev.square_sums(param, (None,))
+        alpha = ops.maximum(o.epsilon_2, ops.sqrt(param_square_sum / numel)) * rho
+    if len(slots) == 1:
+        (v,) = slots
+        v = beta2_t * v + (1.0 - beta2_t) * (ops.square(grad) + o.epsilon_1)
+        preconditioner = ops.rsqrt(v)
+        update_square_sum = ev.weighted_square_sum(grad, ops.square(preconditioner), None)
+        scale = alpha * clip_factor(update_square_sum / numel, o.clip_threshold)
+        return Preconditioned((v,), (preconditioner, _per_variable(scale, ndim, batch)))
+    a, b = (ndim - 2, ndim - 1) if factored_axes is None else (axis + batch for axis in factored_axes)
+    row, column = slots
+    row_sum, column_sum = ev.square_sums(grad, (b, a))
+    row = beta2_t * row + (1.0 - beta2_t) * (row_sum / _size(grad, (b,)) + o.epsilon_1)
+    column = beta2_t * column + (1.0 - beta2_t) * (column_sum / _size(grad, (a,)) + o.epsilon_1)
+    # 1 / sqrt(V) for V = (R / mean(R)) outer C, never materialised.
+    row_factor = ops.rsqrt(row / ops.mean(row, axis=a - (b < a), keepdims=True))
+    column_factor = ops.expand_dims(ops.rsqrt(column), a)
+    grad, row_factor, column_factor = ev.separately((grad, row_factor, column_factor))
+    # mean(u^2) = mean(r^2 * sum_b(g^2 c^2)): the update is not formed to be reduced.
+    weighted = ev.weighted_square_sum(grad, ops.square(column_factor), b)
+    update_square_sum = ev.sum(ops.square(row_factor) * weighted, None)
+    scale = alpha * clip_factor(update_square_sum / numel, o.clip_threshold)
+    # The scalars ride on the row factor: two full-size products, not three.
+    row_factor = ops.expand_dims(row_factor * _per_variable(scale, ndim - 1, batch), b)
+    return Preconditioned((row, column), (row_factor, column_factor))
+
+
+def update(grad, factors, momentum, options: AdafactorOptions):
+    """The second phase, elementwise: `(delta, new_momentum)` of any part of a variable from the same part of
+    its float32 gradient, factors (`Preconditioned.factors`) and momentum (None without `beta_1`)."""
+    delta = grad
+    for factor in factors:
+        delta = delta * factor
+    if options.beta_1 is not None:
+        # Momentum of the scaled update, as optax/t5x: no bias correction. A bfloat16 slot is read into
+        # float32; the caller stores it rounded, and the step uses the float32 value (optax's `dtype_momentum`).
+        momentum = options.beta_1 * ops.cast(momentum, "float32") + (1.0 - options.beta_1) * delta
         delta = momentum
-    return delta, second_moment_slots, momentum
+    return delta, momentum
+
+
+def adafactor_update(grad, param, slots, momentum, *, learning_rate, step, options, factored_axes=None,
+                     evaluation=NEUTRAL):
+    """One whole step: `(delta, new_slots, new_momentum)`; `param - delta` is the new parameter."""
+    result = preconditioned(
+        grad, param, slots, learning_rate=learning_rate, step=step, options=options,
+        factored_axes=factored_axes, evaluation=evaluation,
+    )
+    delta, momentum = update(grad, result.factors, momentum, options)
+    return delta, result.slots, momentum

@@ -13,7 +13,7 @@ from keras_tpu_optim._backend import neutral
 from keras_tpu_optim._backend.jax import rows
 from keras_tpu_optim._math import adafactor as adafactor_math
 from keras_tpu_optim._math import embedding_adam as adam_math
-from keras_tpu_optim._backend.jax.adafactor import adafactor_reductions
+from keras_tpu_optim._backend.jax.adafactor import adafactor_evaluation
 
 
 
@@ -82,7 +82,7 @@ def adafactor_step(optimizer, gradient, variable, learning_rate):
     state = optimizer._state_of(variable)
     targets = (variable, *state.slots) + (() if state.momentum is None else (state.momentum,))
     structure, values = adafactor_math.split_options(optimizer._options)
-    update = _adafactor_update(structure, adafactor_reductions(optimizer._platform_of(variable)))
+    update = _adafactor_update(structure, adafactor_evaluation(optimizer._platform_of(variable)))
     new_values = update(
         densify(gradient),
         tuple(t.value for t in targets),
@@ -96,7 +96,7 @@ def adafactor_step(optimizer, gradient, variable, learning_rate):
 
 
 @functools.cache
-def _adafactor_update(structure, reductions):
+def _adafactor_update(structure, evaluation):
     """`(gradient, (variable, *slots[, momentum]), learning_rate, step, variable_index, option_values)` -> the new values.
 
     Compiled once per shape and options' structure (`adafactor_math.split_options`: the numbers are arguments).
@@ -108,7 +108,7 @@ def _adafactor_update(structure, reductions):
         momentum = values[-1] if options.beta_1 is not None else None
         delta, new_slots, new_momentum = neutral.adafactor_results(
             gradient, variable, slots, momentum,
-            learning_rate=learning_rate, step=step, options=options, reductions=reductions,
+            learning_rate=learning_rate, step=step, options=options, evaluation=evaluation,
         )
         if momentum is not None:
             new_slots = (*new_slots, ops.cast(new_momentum, momentum.dtype))

@@ -1,36 +1,29 @@
-"""Adafactor on JAX: the reductions measured on CPU.
+"""Adafactor on JAX: how its sums are evaluated on CPU.
 
 XLA's CPU backend fuses the sibling row and column reductions of a factored
 step into one loop, and recomputes the statistics inside the update's
 reduction, both several times slower than separate passes. Optimisation
 barriers keep those computations apart on CPU; elsewhere XLA's own fusion
-decisions stand (the neutral reductions).
+decisions stand (the neutral evaluation).
 """
 
 from __future__ import annotations
 
 import jax
-from keras import ops
 
 from keras_tpu_optim._math import adafactor as adafactor_math
 
 
-class CpuReductions(adafactor_math.Reductions):
-    """Optimisation barriers between the step's reductions; scalar means reduced rows first."""
-
-    def mean_square(self, x):
-        if len(x.shape) < 2:
-            return super().mean_square(x)
-        return ops.mean(ops.mean(ops.square(x), axis=-1))
+class CpuEvaluation(adafactor_math.Evaluation):
+    """Optimisation barriers between the step's reductions."""
 
     def separately(self, x):
         return jax.lax.optimization_barrier(x)
 
 
-CPU_REDUCTIONS = CpuReductions()
+CPU_EVALUATION = CpuEvaluation()
 
 
-def adafactor_reductions(platform: str) -> adafactor_math.Reductions:
-    """The reductions for a variable on `platform`: barriers on CPU, the neutral forms elsewhere."""
-    return CPU_REDUCTIONS if platform == "cpu" else adafactor_math.NEUTRAL
-
+def adafactor_evaluation(platform: str) -> adafactor_math.Evaluation:
+    """How a step of a variable on `platform` is evaluated: barriers on CPU, the neutral form elsewhere."""
+    return CPU_EVALUATION if platform == "cpu" else adafactor_math.NEUTRAL

@@ -12,7 +12,7 @@ from keras_tpu_optim import _private
 from keras_tpu_optim._backend import neutral
 from keras_tpu_optim._backend.tensorflow import accumulation, rows
 from keras_tpu_optim._backend.tensorflow.gradients import checked_gradient, densify, gradient_values, unscale
-from keras_tpu_optim._backend.tensorflow.adafactor import adafactor_reductions, adafactor_step
+from keras_tpu_optim._backend.tensorflow.adafactor import adafactor_evaluation, adafactor_step
 
 cond = neutral.cond
 adafactor_steps = neutral.adafactor_steps  # one variable at a time: XLA fuses each step

@@ -1,22 +1,34 @@
-"""Adafactor on TensorFlow: CPU-measured reductions, and the step compiled with XLA where nothing else compiles it.
+"""Adafactor on TensorFlow: how its sums are evaluated on CPU, and where its step is compiled.
 
 On CPU, TF's XLA backend writes `x^2` to memory before reducing it and runs
 reductions on one thread, but fuses a square into a matrix-vector product
-(run multithreaded) and into additions. `CpuReductions` therefore computes
-row means as products with a vector of ones, and column means after folding
-the rows onto an eighth of them. These forms were measured on CPU only:
-other platforms use the neutral reductions.
+(run multithreaded) and into additions. `CpuEvaluation` therefore computes
+sums over the last axis as products with a vector of ones (or with the
+weights), and sums over the next-to-last after folding the rows onto an
+eighth of them.
+
+Keras's TF trainer runs `fit` without XLA on a machine without an
+accelerator. TF's executor then keeps every op's output until its last
+consumer has run, and runs whatever is ready: a whole step's full-size
+intermediates of every variable can be alive at once. There, a float32
+variable's sums are evaluated in blocks of its leading axis, each block's
+after the previous one's (`blocks.Blocked`), and each variable's step after
+the previous variable's (`after_previous_step`), so that one variable's
+temporaries exist at a time, as with an eager step. Other dtypes, and other
+platforms, have each variable's step compiled with XLA.
 """
 
 from __future__ import annotations
+
+import contextlib
+import weakref
 
 import keras
 import tensorflow as tf
 from keras import ops
 
 from keras_tpu_optim import _private
-from keras_tpu_optim._backend import neutral
-from keras_tpu_optim._backend.tensorflow import adafactor_kernel
+from keras_tpu_optim._backend import blocks, neutral
 from keras_tpu_optim._backend.tensorflow._compile import compiled_function, compiling_helps, native_variable
 from keras_tpu_optim._backend.tensorflow.gradients import densify
 from keras_tpu_optim._math import adafactor as adafactor_math
@@ -27,39 +39,36 @@ _FOLDS = 8
 def _ones_like_row(x):
     """A `[..., m]` vector of ones XLA cannot fold into a constant (which it would turn back into a reduction).
 
-    Exactly 1 unless `x`'s first row holds a NaN, when every mean is NaN anyway.
+    Exactly 1 unless `x`'s first row holds a NaN, when every sum is NaN anyway.
     """
     return ops.sign(ops.abs(x[..., 0, :]) + 1.0)
 
 
-def _row_mean_by_product(x_squared, weights):
-    """`mean(x_squared * weights[..., None, :], -1)` as a matrix-vector product."""
-    product = ops.matmul(x_squared, ops.expand_dims(weights, -1))
-    # The static width may be unknown (tf.distribute replica updates).
-    return ops.squeeze(product, -1) / ops.cast(ops.shape(x_squared)[-1], x_squared.dtype)
+def _last_axis_sum(x_squared, weights):
+    """`sum(x_squared * weights[..., None, :], -1)` as a matrix-vector product."""
+    return ops.squeeze(ops.matmul(x_squared, ops.expand_dims(weights, -1)), -1)
 
 
-class CpuReductions(adafactor_math.Reductions):
-    """Matrix-vector row means and folded column means (see the module docstring)."""
+class CpuEvaluation(adafactor_math.Evaluation):
+    """Matrix-vector sums over the last axis, folded sums over the next-to-last (module docstring)."""
 
-    def mean_square(self, x):
-        if len(x.shape) < 2:
-            return super().mean_square(x)
-        # Rows first: a reduction to a scalar runs on one thread.
-        return ops.mean(_row_mean_by_product(ops.square(x), _ones_like_row(x)))
+    def square_sums(self, x, axes):
+        square, ndim = ops.square(x), len(x.shape)
+        sums = []
+        for axis in axes:
+            if ndim >= 2 and axis == ndim - 2 and (x.shape[-2] or 0) >= 2 * _FOLDS:
+                sums.append(self._folded_square_sum(x))
+            elif ndim >= 2 and axis in (None, ndim - 1):
+                row_sums = _last_axis_sum(square, _ones_like_row(x))
+                sums.append(row_sums if axis == ndim - 1 else super().sum(row_sums, None))
+            else:
+                sums.append(super().sum(square, axis))
+        return tuple(sums)
 
-    def row_mean_of_square(self, x):
-        return _row_mean_by_product(ops.square(x), _ones_like_row(x))
-
-    def row_mean_of_weighted_square(self, x, weights):
-        return _row_mean_by_product(ops.square(x), weights)
-
-    def column_mean_of_square(self, x):
+    def _folded_square_sum(self, x):
         rows = x.shape[-2]
-        if rows is None or rows < 2 * _FOLDS:
-            return super().column_mean_of_square(x)
-        # Eight row blocks added onto one: the square fuses into the additions,
-        # and the reduction left reads an eighth of the rows.
+        # Eight row blocks added onto one: the square fuses into the additions, and the reduction left
+        # reads an eighth of the rows.
         height = rows // _FOLDS
         folded = ops.square(x[..., :height, :])
         for block in range(1, _FOLDS):
@@ -67,50 +76,51 @@ class CpuReductions(adafactor_math.Reductions):
         total = ops.sum(folded, axis=-2)
         if rows % _FOLDS:
             total = total + ops.sum(ops.square(x[..., _FOLDS * height :, :]), axis=-2)
-        return total / rows
+        return total
+
+    def weighted_square_sum(self, x, weights, axis):
+        ndim = len(x.shape)
+        if ndim >= 2 and axis == ndim - 1 and len(weights.shape) == ndim and weights.shape[-2] == 1:
+            return _last_axis_sum(ops.square(x), ops.squeeze(weights, -2))
+        return super().weighted_square_sum(x, weights, axis)
 
 
-CPU_REDUCTIONS = CpuReductions()
+CPU_EVALUATION = CpuEvaluation()
 
 
-def adafactor_reductions(platform: str) -> adafactor_math.Reductions:
-    """The reductions for a variable on `platform`: the CPU-measured forms on CPU, the neutral ones elsewhere."""
-    return CPU_REDUCTIONS if platform == "cpu" else adafactor_math.NEUTRAL
+def adafactor_evaluation(platform: str) -> adafactor_math.Evaluation:
+    """How a step of a variable on `platform` is evaluated: the CPU forms on CPU, the neutral ones elsewhere."""
+    return CPU_EVALUATION if platform == "cpu" else adafactor_math.NEUTRAL
 
 
 def adafactor_step(optimizer, gradient, variable, learning_rate):
-    """One step, by the kernel measured for where it runs.
+    """One step, evaluated as measured for where it runs.
 
     Under XLA (`jit_compile=True`), under a `tf.distribute` strategy (its
     replica and mirrored variables stay on TF's own path) or in a stateless
-    scope: the neutral step, with the platform's reductions. Otherwise (Keras's
-    TF trainer without XLA, eager TF): a float32 variable on CPU takes the
-    block kernel (`adafactor_kernel`, no XLA: measured for memory); a variable
-    on another platform, or of another dtype, its step compiled on its own with
-    XLA (for bfloat16 weights the kernel was slower than XLA, and with
-    stochastic rounding, whose integer hash XLA fuses, slower and larger:
-    CHANGELOG has the figures).
+    scope: inline, with the platform's evaluation. Otherwise (Keras's TF
+    trainer without XLA, eager TF): a float32 variable on CPU in blocks,
+    without XLA (measured for memory); a variable on another platform, or of
+    another dtype, its step compiled on its own with XLA (for bfloat16
+    weights the blocks were slower than XLA, and with stochastic rounding,
+    whose integer hash XLA fuses, slower and larger).
     """
     gradient = densify(gradient)
     platform = optimizer._platform_of(variable)
-    reductions = adafactor_reductions(platform)
+    evaluation = adafactor_evaluation(platform)
     if _private.in_stateless_scope() or not compiling_helps():
-        neutral.adafactor_step(optimizer, gradient, variable, learning_rate, reductions)
+        neutral.adafactor_step(optimizer, gradient, variable, learning_rate, evaluation)
         return
     state = optimizer._state_of(variable)
-    step = optimizer.iterations + 1
-    variable_index = _private.variable_index(optimizer, variable)
     # The options' numbers are arguments: one trace serves every value of them.
     structure, option_values = adafactor_math.split_options(optimizer._options)
-    if platform == "cpu" and keras.backend.standardize_dtype(variable.dtype) == "float32":
-        update = compiled_function(
-            optimizer, ("adafactor_blocks", structure), lambda: _blocked_update(structure), xla=False
-        )
-    else:
-        update = compiled_function(
-            optimizer, ("adafactor", structure, reductions), lambda: _assigning_update(structure, reductions)
-        )
-    with adafactor_kernel.after_previous_step() as done:
+    blocked = platform == "cpu" and keras.backend.standardize_dtype(variable.dtype) == "float32"
+    evaluation = None if blocked else evaluation
+    update = compiled_function(
+        optimizer, ("adafactor", structure, evaluation), lambda: _assigning_update(structure, evaluation),
+        xla=not blocked,
+    )
+    with after_previous_step() as done:
         done.append(
             update(
                 tf.convert_to_tensor(gradient),
@@ -118,20 +128,22 @@ def adafactor_step(optimizer, gradient, variable, learning_rate):
                 tuple(native_variable(s) for s in state.slots),
                 None if state.momentum is None else native_variable(state.momentum),
                 tf.convert_to_tensor(learning_rate),
-                tf.convert_to_tensor(step),
+                tf.convert_to_tensor(optimizer.iterations + 1),
                 # A tensor, so that one trace serves every variable of a shape.
-                tf.constant(variable_index, tf.int32),
+                tf.constant(_private.variable_index(optimizer, variable), tf.int32),
                 {name: tf.constant(value, tf.float32) for name, value in option_values.items()},
             )
         )
 
 
-def _blocked_update(structure):
+def _assigning_update(structure, evaluation):
+    """The step's function, with `evaluation` (None: in blocks of the variable's leading axis)."""
+
     def update(grad, variable, slots, momentum, learning_rate, step, variable_index, option_values):
-        options = adafactor_math.joined_options(structure, option_values)
-        assignments = adafactor_kernel.adafactor_step(
-            grad, variable, slots, momentum,
-            learning_rate=learning_rate, step=step, options=options, variable_index=variable_index,
+        assignments = assigning_step(
+            grad, variable, slots, momentum, learning_rate=learning_rate, step=step,
+            options=adafactor_math.joined_options(structure, option_values), variable_index=variable_index,
+            evaluation=evaluation,
         )
         with tf.control_dependencies(assignments):
             return tf.zeros([])  # done: the caller orders the next variable's step after it
@@ -139,20 +151,53 @@ def _blocked_update(structure):
     return update
 
 
+def assigning_step(grad, variable, slots, momentum, *, learning_rate, step, options, variable_index=0,
+                   evaluation=None, chunk_elements=blocks.CHUNK_ELEMENTS):
+    """One step of `tf.Variable`s through their assignments; returns them (graph) or [] (eager).
 
-def _assigning_update(structure, reductions):
-    def update(grad, variable, slots, momentum, learning_rate, step, variable_index, option_values):
-        options = adafactor_math.joined_options(structure, option_values)
-        delta, new_slots, new_momentum = neutral.adafactor_results(
-            grad, variable, tuple(tf.convert_to_tensor(s) for s in slots),
-            None if momentum is None else tf.convert_to_tensor(momentum),
-            learning_rate=learning_rate, step=step, options=options, reductions=reductions,
-        )
-        neutral.assign_update(
-            variable, delta, slots, new_slots, momentum, new_momentum,
-            assign=lambda target, value: target.assign(value),
-            assign_sub=lambda target, value: target.assign_sub(value),
-            round_to=neutral.variable_rounding(options, step, variable_index, variable.shape),
-        )
+    `evaluation` None: the sums in blocks of `chunk_elements`, each after the previous one's.
+    """
+    if evaluation is None:
+        evaluation = blocks.Blocked(tuple(variable.shape), CPU_EVALUATION, _after, chunk_elements)
+    delta, new_slots, new_momentum = neutral.adafactor_results(
+        grad, variable.read_value(), tuple(s.read_value() for s in slots),
+        None if momentum is None else momentum.read_value(),
+        learning_rate=learning_rate, step=step, options=options, evaluation=evaluation,
+    )
+    assignments = []
+    neutral.assign_update(
+        variable, delta, slots, new_slots, momentum, new_momentum,
+        assign=lambda target, value: assignments.append(target.assign(value, read_value=False)),
+        assign_sub=lambda target, value: assignments.append(target.assign_sub(value, read_value=False)),
+        round_to=neutral.variable_rounding(options, step, variable_index, variable.shape),
+    )
+    return [op for op in assignments if op is not None]
 
-    return update
+
+def _after(dependency):
+    """Build the next ops after `dependency` (a tensor, or None: no ordering)."""
+    return tf.control_dependencies([] if dependency is None else [dependency])
+
+
+# The last step built in each graph: the next variable's step is ordered after it.
+_last_step: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def after_previous_step():
+    """Order the ops built inside after the last step built in this graph; record this step's ops.
+
+    Yields a list; the step appends its final ops. Eager ops run in program
+    order already: a no-op there.
+    """
+    if tf.executing_eagerly():
+        yield []
+        return
+    graph = tf.compat.v1.get_default_graph()
+    previous = _last_step.get(graph)
+    final_ops = []
+    with tf.control_dependencies([] if previous is None else [previous]):
+        yield final_ops
+    final_ops = [op for op in final_ops if op is not None]
+    if final_ops:
+        _last_step[graph] = tf.group(*final_ops)

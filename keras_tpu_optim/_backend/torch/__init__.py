@@ -11,7 +11,7 @@ from keras import ops
 
 from keras_tpu_optim import _private
 from keras_tpu_optim._backend import neutral
-from keras_tpu_optim._backend.torch import accumulation, adafactor, grouped, rows
+from keras_tpu_optim._backend.torch import accumulation, adafactor, rows
 from keras_tpu_optim._backend.torch.scratch import Scratch
 from keras_tpu_optim._math import adafactor as adafactor_math
 
@@ -21,7 +21,7 @@ apply_if = neutral.apply_if  # Eager: a Python branch.
 state_creation_scope = neutral.state_creation_scope
 checked_gradient = neutral.checked_gradient
 
-# The scratch of each optimizer's (and `layers.Embedding`'s) in-place kernels, released with its owner.
+# The scratch of each optimizer's (and `layers.Embedding`'s) row steps, released with its owner.
 _scratches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -44,18 +44,14 @@ def densify(gradient):
     return gradient.to_dense() if gradient.is_sparse else gradient
 
 
-def adafactor_reductions(platform: str) -> adafactor_math.Reductions:
-    """torch runs the neutral reductions (eagerly); its CPU kernel is `fused_adafactor_applies`."""
+def adafactor_evaluation(platform: str) -> adafactor_math.Evaluation:
+    """The whole-variable evaluation (a step in a stateless scope): the neutral one."""
     return adafactor_math.NEUTRAL
 
 
-def fused_adafactor_applies(platform: str) -> bool:
-    """Whether the in-place kernel (`adafactor.adafactor_step`, measured on CPU) updates a variable on `platform`.
-
-    The kernel implements every `AdafactorOptions` value (both `factored_dims`,
-    `decay_offset`, `beta_2_cap`, a bfloat16 momentum, stochastic rounding),
-    so no option value is routed to the neutral step.
-    """
+def blocked_adafactor_applies(platform: str) -> bool:
+    """Whether a variable on `platform` stepped alone is stepped in blocks (`adafactor.blocked_step`, measured on
+    CPU), rather than whole."""
     return platform == "cpu"
 
 
@@ -71,11 +67,11 @@ def scratch_of(owner) -> Scratch:
 
 
 def adafactor_step(optimizer, gradient, variable, learning_rate):
-    if _private.in_stateless_scope() or not fused_adafactor_applies(optimizer._platform_of(variable)):
+    if _private.in_stateless_scope() or not blocked_adafactor_applies(optimizer._platform_of(variable)):
         neutral.adafactor_step(optimizer, densify(gradient), variable, learning_rate)
         return
     state = optimizer._state_of(variable)
-    adafactor.adafactor_step(
+    adafactor.blocked_step(
         densify(gradient),
         variable.value,
         tuple(s.value for s in state.slots),
@@ -83,19 +79,18 @@ def adafactor_step(optimizer, gradient, variable, learning_rate):
         learning_rate=ops.convert_to_tensor(learning_rate),
         step=ops.convert_to_tensor(optimizer.iterations) + 1,
         options=optimizer._options,
-        scratch=scratch_of(optimizer),
         variable_index=_private.variable_index(optimizer, variable),
     )
 
 
 # On CPU, the largest variable (elements) that the grouped step updates: below it, dispatching ops is
-# most of a variable's step and the grouped step measured faster than the in-place kernel; above
-# it the in-place kernel's cache-sized blocks win (the benchmark report's torch launch rows).
+# most of a variable's step and the grouped step measured faster than the blocked step; above
+# it the blocked step wins (the benchmark report's torch launch rows).
 CPU_GROUPED_ELEMENTS = 1 << 15
 
 
 def grouped_adafactor_applies(platform: str, size: int) -> bool:
-    """Whether a variable of `size` elements on `platform` takes the grouped step (`grouped.adafactor_group_step`):
+    """Whether a variable of `size` elements on `platform` takes the grouped step (`adafactor.grouped_step`):
     a few dozen ops per group of one shape instead of about forty per variable, each op a kernel launch on a GPU."""
     return platform != "cpu" or size <= CPU_GROUPED_ELEMENTS
 
@@ -121,11 +116,11 @@ def adafactor_steps(optimizer, grads, variables, learning_rate, keras_steps):
         for position in positions:
             variable = variables[position]
             state = optimizer._state_of(variable)
-            members.append(grouped.Member(
+            members.append(adafactor.Member(
                 variable.value, densify(grads[position]), tuple(s.value for s in state.slots),
                 None if state.momentum is None else state.momentum.value,
             ))
-        grouped.adafactor_group_step(
+        adafactor.grouped_step(
             members, learning_rate=learning_rate, step=step, options=optimizer._options, axes=axes, indices=indices
         )
 
@@ -159,10 +154,10 @@ def _new_group_plan(optimizer, variables, key) -> tuple:
         state = optimizer._state_of(variable)
         axes = optimizer._options.factored_axes(variable.shape) if len(state.slots) == 2 else None
         momentum = None if state.momentum is None else state.momentum.value
-        groups.setdefault(grouped.group_key(variable.value, state.slots, momentum, axes), []).append(position)
+        groups.setdefault(adafactor.group_key(variable.value, state.slots, momentum, axes), []).append(position)
     chunks = []
     for group, positions in groups.items():
-        for chunk in grouped.chunked(positions, math.prod(group[0])):
+        for chunk in adafactor.chunked(positions, math.prod(group[0])):
             indices = torch.tensor([key[p] for p in chunk], dtype=torch.int32, device=group[2])
             chunks.append((chunk, indices, group[3]))
     return alone, chunks

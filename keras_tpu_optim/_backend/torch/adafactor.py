@@ -1,169 +1,159 @@
-"""Adafactor on eager torch: in place, block by block in a small reused scratch, with no host syncs.
+"""Adafactor on eager torch: the formula evaluated in blocks of a variable, or for groups of variables at once.
 
-`keras.ops` on torch materialises every intermediate (g^2, the update, ...) in
-fresh memory; here a variable is processed in blocks of its leading axis and
-every intermediate lives in a block-sized float32 buffer owned by the
-optimizer (a variable-sized one would cost the largest variable's size for
-the whole of training). Every scalar (learning rate, step, norms) stays a 0-d
-tensor on the variable's device: reading one back (`.item()`, `float()`)
-would stall the host until the device queue drains, once per variable.
+Eager torch runs each op as it comes: a whole-variable step materialises
+every intermediate (`g^2`, the update) at the variable's size. `blocked_step`
+evaluates the step's sums over blocks of the variable's leading axis and
+writes its update a block at a time, so that no intermediate is bigger than
+a block. `grouped_step` stacks the variables of one shape, dtype and kind of
+state on a leading axis and evaluates the step once for the stack: each op
+is then one kernel launch for the group, not one per variable (on a GPU a
+launch costs 5-10 us before any work). Both evaluate `_math.adafactor`'s one
+formula; neither reads a value back to the host.
 """
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple, Optional
+
 import torch
 
-from keras_tpu_optim._backend import blocks
-from keras_tpu_optim._math import stochastic_rounding
-
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
+from keras_tpu_optim._backend import blocks, neutral
+from keras_tpu_optim._math import adafactor as adafactor_math
 
 
-CHUNK_ELEMENTS = blocks.CHUNK_ELEMENTS
+class NormEvaluation(adafactor_math.Evaluation):
+    """Sums of squares as squared norms: torch reduces them without writing `x^2`."""
+
+    def __init__(self, batch_dims: int = 0):
+        self.batch_dims = batch_dims
+
+    def square_sums(self, x, axes):
+        if isinstance(x, list):  # a group's parameters, not stacked
+            (axis,) = axes
+            assert axis is None
+            return (torch.stack(torch._foreach_norm(x, 2, dtype=torch.float32)).square_(),)
+        return tuple(self._norm(x, axis).square_() for axis in axes)
+
+    def _norm(self, x, axis):
+        if axis is None:
+            dims = tuple(range(self.batch_dims, x.dim()))
+            if not dims:
+                return x.abs()
+            return torch.linalg.vector_norm(x, dim=dims)
+        return torch.linalg.vector_norm(x, dim=axis)
 
 
-def _part(x: torch.Tensor, span, full_rows: int) -> torch.Tensor:
-    """Block `span` of x's leading axis; x itself if it has no such axis of `full_rows` (broadcast)."""
-    if span is None or x.dim() == 0 or x.shape[0] != full_rows:
-        return x
-    return x.narrow(0, *span)
+NORMS = NormEvaluation()
+GROUP_NORMS = NormEvaluation(batch_dims=1)
 
 
-def _square_norm(x: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(x).square()
+def _float32(x):
+    return x if x.dtype == torch.float32 else x.to(torch.float32)
+
+
+class _Float32Blocks(blocks.Blocked):
+    """`blocks.Blocked`, each block read in float32 (a bfloat16 variable is not copied whole)."""
+
+    def square_sums(self, x, axes):
+        return self._blocks(lambda block: self.inner.square_sums(_float32(block), axes), axes, x)
 
 
 @torch.no_grad()
-def adafactor_step(
-    grad,
-    param,
-    second_moment_slots,
-    momentum,
-    *,
-    learning_rate,
-    step,
-    options,
-    scratch,
-    variable_index=0,
-    chunk_elements=CHUNK_ELEMENTS,
-) -> None:
-    """One Adafactor step for one variable, in place, with no host-device synchronisation.
+def blocked_step(grad, param, slots, momentum, *, learning_rate, step, options, variable_index=0,
+                 chunk_elements=blocks.CHUNK_ELEMENTS) -> None:
+    """One step of one variable, in place: the sums in blocks of the leading axis, then the update block by block.
 
-    `second_moment_slots` is `(row, column)` for a factored variable, else `(v,)`,
-    all float32; `momentum` (or None) is float32 or bfloat16 (`momentum_dtype`:
-    computed in float32, stored rounded). `learning_rate` and `step`
-    (iterations + 1) are 0-d tensors; `options` holds the static hyperparameters;
-    `variable_index` keys stochastic rounding's random bits. A non-float32
-    `param` is updated in float32 and rounded once (to nearest, or
-    stochastically with `options.stochastic_rounding`).
-
-    The variable is processed in blocks of its leading axis (`chunk_elements`
-    each): the statistics, then RMS(update), then the update, each a pass over
-    the blocks, so that no intermediate is bigger than a block and the blocks
-    stay in cache. The update is recomputed in the last pass rather than kept
-    (a variable-sized buffer); a variable of one block keeps it.
+    `slots` are the float32 statistics; `momentum` (or None) float32 or
+    bfloat16; `learning_rate` and `step` (`iterations + 1`) 0-d tensors. A
+    variable of another dtype than float32 is updated in float32 and rounded
+    once (to nearest, or stochastically, keyed by `variable_index`).
     """
-    lr = learning_rate.to(param.device, torch.float32, non_blocking=True)
-    step_count = step.to(param.device, non_blocking=True)
-    step = step_count.to(torch.float32)
-    rho = torch.minimum(lr, step.rsqrt()) if options.relative_step else lr
     shape = tuple(param.shape)
-    rows = shape[0] if shape else 1
-    spans = blocks.spans(shape, chunk_elements)
-    numel = max(1, param.numel())
-    low_precision_param = param.dtype != torch.float32
-
-    def as_float32(x, span, slot):
-        """Block `span` of x in float32: a view if x is float32, else a copy into the scratch (a casting copy_ allocates nothing)."""
-        block = _part(x, span, rows)
-        return block if block.dtype == torch.float32 else scratch.like(block, slot).copy_(block)
-
-    alpha = rho
-    if options.multiply_by_parameter_scale:
-        if not low_precision_param:
-            square_sum = _square_norm(param)
-        else:  # Not vector_norm(param, dtype=float32): it would allocate a float32 copy.
-            square_sum = sum(_square_norm(as_float32(param, span, 0)) for span in spans)
-        alpha = torch.clamp_min((square_sum / numel).sqrt(), options.epsilon_2) * rho
-    decay_step = torch.clamp_min(step - float(options.decay_offset), 1.0) if options.decay_offset else step
-    decay_weight = decay_step.pow(options.beta_2_decay)  # 1 - beta2_t: the weight of the new statistic.
-    if options.beta_2_cap is not None:
-        decay_weight = torch.clamp_min(decay_weight, 1.0 - options.beta_2_cap)  # beta2_t <= beta_2_cap.
-
-    if len(second_moment_slots) == 2:
-        row, column = second_moment_slots
-        # Row statistics: means over axis b; column statistics: over axis a (the last two, or the two largest).
-        a, b = options.factored_axes(shape)
-        a_in_row = a - (b < a)
-        # A mean over the leading axis (the blocks' axis) is summed block by block; any other is per block.
-        row_mean = torch.zeros_like(row) if b == 0 else torch.empty_like(row)
-        column_mean = torch.zeros_like(column) if a == 0 else torch.empty_like(column)
-        for span in spans:
-            g = as_float32(grad, span, 0)
-            grad_sq = torch.mul(g, g, out=scratch.like(g, 1))
-            for mean, axis in ((row_mean, b), (column_mean, a)):
-                if axis == 0:
-                    mean.add_(grad_sq.sum(dim=0))
-                else:
-                    torch.mean(grad_sq, dim=axis, out=_part(mean, span, rows))
-        for mean, axis in ((row_mean, b), (column_mean, a)):
-            if axis == 0:
-                mean.div_(rows)
-        row.lerp_(row_mean.add_(options.epsilon_1), decay_weight)
-        column.lerp_(column_mean.add_(options.epsilon_1), decay_weight)
-        row_factor = (row / row.mean(dim=a_in_row, keepdim=True)).rsqrt_().unsqueeze(b)
-        column_factor = column.rsqrt().unsqueeze(a)
-
-        def update_of(span):
-            g = as_float32(grad, span, 0)
-            update = torch.mul(g, _part(row_factor, span, rows), out=scratch.like(g, 1))
-            return update.mul_(_part(column_factor, span, rows))
-
-    else:
-        (second_moment,) = second_moment_slots
-        for span in spans:
-            g = as_float32(grad, span, 0)
-            grad_sq = torch.mul(g, g, out=scratch.like(g, 1))
-            _part(second_moment, span, rows).lerp_(grad_sq.add_(options.epsilon_1), decay_weight)
-
-        def update_of(span):
-            g = as_float32(grad, span, 0)
-            return torch.rsqrt(_part(second_moment, span, rows), out=scratch.like(g, 1)).mul_(g)
-
-    updates = [update_of(span) for span in spans[:1]]
-    square_sum = _square_norm(updates[0])
-    for span in spans[1:]:
-        square_sum = square_sum + _square_norm(update_of(span))
-    scale = alpha / torch.clamp_min((square_sum / numel).sqrt() / options.clip_threshold, 1.0)
-    stochastic = options.stochastic_rounding and param.dtype in _LOW_PRECISION
-    per_row = numel // rows
-    for k, span in enumerate(spans):
-        # The one block's update is still in the scratch; several blocks' are recomputed.
-        update = updates[0] if len(spans) == 1 else update_of(span)
-        p = _part(param, span, rows)
-        # addcmul_ multiplies by the 0-d tensor in the same pass (add_'s alpha takes only numbers).
-        # Type promotion updates a bf16/fp16 param in float32 and rounds it once.
-        if options.beta_1 is not None:
-            m = _part(momentum, span, rows)
-            if m.dtype == torch.float32:
-                m.mul_(options.beta_1).addcmul_(update, (1.0 - options.beta_1) * scale)
-                delta = m
-            else:
-                # A bfloat16 slot: the new momentum in float32 (in the scratch), stored rounded, used unrounded.
-                delta = update.mul_((1.0 - options.beta_1) * scale).add_(m, alpha=options.beta_1)
-                m.copy_(delta)
-            if not stochastic:
-                p.sub_(delta)
-                continue
-            new_value = delta.neg_().add_(p) if delta is update else torch.sub(p, delta, out=update)
+    evaluation = _Float32Blocks(shape, NORMS, chunk_elements=chunk_elements)
+    if len(slots) == 1:
+        grad = _float32(grad)  # the unfactored statistics are elementwise, and as big as the variable
+    step = step.to(param.device)
+    result = adafactor_math.preconditioned(
+        grad, param, slots,
+        learning_rate=learning_rate.to(param.device, torch.float32), step=step.to(torch.float32),
+        options=options, factored_axes=options.factored_axes(shape), evaluation=evaluation,
+    )
+    for slot, value in zip(slots, result.slots):
+        slot.copy_(value)
+    rows, per_row = evaluation.rows, math.prod(shape[1:])
+    for span in evaluation.spans:
+        part = [blocks.part(x, span, rows) for x in (grad, param, momentum)]
+        factors = [blocks.part(factor, span, rows) for factor in result.factors]
+        delta, new_momentum = adafactor_math.update(_float32(part[0]), factors, part[2], options)
+        if momentum is not None:
+            part[2].copy_(new_momentum)
+        if param.dtype == torch.float32:
+            part[1].sub_(delta)
         else:
-            if not stochastic:
-                p.addcmul_(update, scale, value=-1.0)
-                continue
-            new_value = update.mul_(-scale).add_(p)
-        p.copy_(
-            stochastic_rounding.stochastic_round(
-                new_value, param.dtype, seed=options.seed, step=step_count, variable_index=variable_index,
-                offset=0 if span is None else span[0] * per_row,
-            )
-        )
+            offset = 0 if span is None else span[0] * per_row
+            rounding = neutral.variable_rounding(options, step, variable_index, None, offset)
+            part[1].copy_(neutral.subtracted(part[1], delta, rounding))
+
+
+class Member(NamedTuple):
+    """One variable of a group: its value, gradient, statistics and momentum (or None)."""
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    slots: tuple
+    momentum: Optional[torch.Tensor]
+
+
+def group_key(param, slots, momentum, axes) -> tuple:
+    """What variables must share to be stepped together: shape, dtype, device, the state's kind."""
+    return (
+        tuple(param.shape), param.dtype, param.device, axes, len(slots),
+        None if momentum is None else momentum.dtype,
+    )
+
+
+# The elements of a group's stack (64 MiB of float32): a chunk's temporaries stay within a small
+# multiple of the largest variable's, as the step one variable at a time has them.
+GROUP_ELEMENTS = 1 << 24
+
+
+def chunked(positions: list, numel: int) -> list:
+    """`positions` (of variables of `numel` elements each) in runs of at most `GROUP_ELEMENTS` elements, one at least."""
+    size = max(1, GROUP_ELEMENTS // max(1, numel))
+    return [positions[i : i + size] for i in range(0, len(positions), size)]
+
+
+@torch.no_grad()
+def grouped_step(members, *, learning_rate, step, options, axes, indices=None) -> None:
+    """One step of variables of one shape, dtype and kind of state (`group_key`), in place.
+
+    `axes` are the factored axes of the shape (None: unfactored);
+    `indices` the members' positions in the optimizer's variables (an int32
+    tensor on their device), which key stochastic rounding's random bits.
+    """
+    first = members[0]
+    params = [m.param for m in members]
+    device = first.param.device
+    step = step.to(device)
+    grads = _float32(torch.stack([m.grad for m in members]))
+    slots = [[m.slots[i] for m in members] for i in range(len(first.slots))]
+    result = adafactor_math.preconditioned(
+        grads, params, tuple(torch.stack(s) for s in slots),
+        learning_rate=learning_rate.to(device, torch.float32), step=step.to(torch.float32),
+        options=options, factored_axes=axes, evaluation=GROUP_NORMS,
+    )
+    for targets, value in zip(slots, result.slots):
+        torch._foreach_copy_(targets, value.unbind(0))
+    momenta = None if options.beta_1 is None else [m.momentum for m in members]
+    deltas, new_momenta = adafactor_math.update(
+        grads, result.factors, None if momenta is None else torch.stack(momenta), options
+    )
+    if momenta is not None:
+        torch._foreach_copy_(momenta, new_momenta.unbind(0))
+    if first.param.dtype == torch.float32:
+        torch._foreach_sub_(params, deltas.unbind(0))
+        return
+    column = None if indices is None else indices.reshape((-1,) + (1,) * first.param.dim())
+    rounding = neutral.variable_rounding(options, step, column, tuple(first.param.shape))
+    torch._foreach_copy_(params, neutral.subtracted(torch.stack(params), deltas, rounding).unbind(0))

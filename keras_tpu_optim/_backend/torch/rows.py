@@ -80,8 +80,7 @@ def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplic
     """Update only the rows present in `gradient` (sparse COO indices, or a dense gradient's non-zero rows).
 
     `update_rows(grad_rows, weight_rows, *slot_rows)` returns the new
-    `(weight_rows, *slot_rows)` (a `neutral.RowUpdate`, whose arguments
-    `update_in_place` reads to run the in-place kernel). Duplicate ids of a
+    `(weight_rows, *slot_rows)` (a `neutral.RowUpdate`). Duplicate ids of a
     sparse gradient are summed (`accumulate_duplicates`) or the last
     occurrence wins.
     """
@@ -115,38 +114,20 @@ def masked_row_update(update_rows, gradient, targets):
         target.copy_(torch.where(keep, rows.to(target.dtype), target))
 
 
-# The scratch slots of a row step: the gradient rows, the gathered rows of each target (in its
-# dtype, then in float32 where that differs), the row update's temporary, and a dense gradient's
-# row norms and scaled chunk.
-GRADIENT_SLOT, GRADIENT_FLOAT32_SLOT, TEMPORARY_SLOT, NORMS_SLOT, SCALED_SLOT = 0, 1, 2, 3, 4
-GATHER_SLOTS, FLOAT32_SLOTS = 10, 20
+# The scratch slots of a row step: the gradient rows, the gathered rows of each target, and a dense
+# gradient's row norms and scaled chunk.
+GRADIENT_SLOT, NORMS_SLOT, SCALED_SLOT = 0, 3, 4
+GATHER_SLOTS = 10
 
 
 def update_in_place(update_rows, ids, grad_rows, targets, scratch=None):
-    """Gather the rows `ids` (unique) of the tensors `targets`, update them, copy them back.
+    """Gather the rows `ids` (unique) of the tensors `targets`, update them (`update_rows`), copy them back.
 
-    With a `neutral.RowUpdate` for the Adam rows alone (no lazy EMA's rows)
-    the update runs in place on the gathered rows (`adam_rows_in_place`), in
-    `scratch`'s buffers where one is given: a step then allocates nothing
-    row-sized. `grad_rows` may be written to. Otherwise `update_rows` computes
-    new rows (the neutral math).
+    The gathered rows live in `scratch`'s buffers where one is given.
     """
-    options = getattr(update_rows, "options", None)
-    if options is None or options.ema_momentum is not None:
-        new_rows = update_rows(grad_rows, *(t.index_select(0, ids) for t in targets))
-        for target, rows in zip(targets, new_rows):
-            target.index_copy_(0, ids, rows.to(target.dtype))
-        return
     gathered = [_gather(t, ids, scratch, GATHER_SLOTS + i) for i, t in enumerate(targets)]
-    # The Adam rows in float32 (the per-row counts as they are: only counted up).
-    rows = [_in_float32(r, scratch, FLOAT32_SLOTS + i) for i, r in enumerate(gathered[:3])] + gathered[3:]
-    grad = _in_float32(grad_rows, scratch, GRADIENT_FLOAT32_SLOT)
-    temporary = None if scratch is None else scratch.like(rows[0], TEMPORARY_SLOT)
-    adam_rows_in_place(grad, *rows, learning_rate=update_rows.learning_rate, options=options, temporary=temporary)
-    for target, before, after in zip(targets, gathered, rows):
-        if after is not before:
-            before.copy_(after)  # rounded back to the target's dtype once
-        target.index_copy_(0, ids, before)
+    for target, rows in zip(targets, update_rows(grad_rows, *gathered)):
+        target.index_copy_(0, ids, rows)
 
 
 def _gather(target, ids, scratch, slot):
@@ -154,54 +135,3 @@ def _gather(target, ids, scratch, slot):
     if scratch is None:
         return target.index_select(0, ids)
     return torch.index_select(target, 0, ids, out=scratch.empty(shape, slot, target.dtype, target.device))
-
-
-def _in_float32(rows, scratch, slot):
-    if rows.dtype == torch.float32:
-        return rows
-    return rows.to(torch.float32) if scratch is None else scratch.like(rows, slot).copy_(rows)
-
-
-def adam_rows_in_place(grad, weight, momenta, velocities, row_steps=None, *, learning_rate, options, temporary=None):
-    """`_math.embedding_adam.row_update` in place on float32 rows (`row_steps` counted up in place).
-
-    The same formulas, each written into its operand (`grad` is clipped in
-    place); `temporary`, a float32 buffer of the rows' shape (allocated if
-    None), holds the step `m / denominator`. The numbers equal `row_update`'s
-    to float32 rounding (products and quotients grouped otherwise).
-    """
-    o = options
-    rank = weight.dim()
-    learning_rate = torch.as_tensor(learning_rate, dtype=torch.float32, device=weight.device)
-    if o.bias_correction == "per_row":
-        row_steps.add_(1)
-        corrected = adam_math.bias_corrected_learning_rate(
-            learning_rate, row_steps.to(torch.float32), o.beta_1, o.beta_2
-        )
-        learning_rate = corrected.reshape((-1,) + (1,) * (rank - 1))
-    if o.gradient_clip_min is not None or o.gradient_clip_max is not None:
-        grad.clamp_(min=o.gradient_clip_min, max=o.gradient_clip_max)
-    if o.weight_decay_factor is not None:
-        if o.multiply_weight_decay_factor_by_learning_rate:
-            weight.addcmul_(weight, learning_rate * o.weight_decay_factor, value=-1.0)
-        else:
-            weight.sub_(weight, alpha=o.weight_decay_factor)
-    momenta.mul_(o.beta_1).add_(grad, alpha=1.0 - o.beta_1)
-    step = temporary if temporary is not None else torch.empty_like(weight)
-    if o.second_moment == "rowwise" and rank > 1:
-        square = torch.mul(grad, grad, out=step).mean(dim=tuple(range(1, rank)))
-        velocities.mul_(o.beta_2).add_(square, alpha=1.0 - o.beta_2)
-        denominator = torch.empty_like(velocities)
-    else:
-        velocities.mul_(o.beta_2).addcmul_(grad, grad, value=1.0 - o.beta_2)
-        denominator = step
-    if o.sum_inside_sqrt:
-        torch.add(velocities, o.epsilon**2, out=denominator).sqrt_()
-    else:
-        torch.sqrt(velocities, out=denominator).add_(o.epsilon)
-    if denominator.dim() < rank:
-        denominator = denominator.reshape((-1,) + (1,) * (rank - 1))
-    torch.div(momenta, denominator, out=step)
-    weight.addcmul_(step, learning_rate, value=-1.0)
-    if o.clip_weight_min is not None or o.clip_weight_max is not None:
-        weight.clamp_(min=o.clip_weight_min, max=o.clip_weight_max)

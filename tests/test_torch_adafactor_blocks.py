@@ -1,12 +1,10 @@
-"""The eager-torch Adafactor kernel (`_backend/torch/adafactor.py`) on its own.
+"""Eager torch's blocked Adafactor step (`_backend/torch/adafactor.py`'s `blocked_step`) on its own.
 
 Checked against the independent numpy reference (`tests/reference/numpy_adafactor.py`),
-for host-device synchronisations (none allowed) and for its scratch memory.
+for host-device synchronisations (none allowed) and for its temporaries (none of the variable's size).
 """
 
 from __future__ import annotations
-
-import weakref
 
 import keras
 import ml_dtypes
@@ -16,12 +14,13 @@ import pytest
 BACKEND = keras.backend.backend()
 if BACKEND != "torch":
     # Never import torch next to another backend (TensorFlow and torch must not share a process).
-    _REASON = f"the eager-torch Adafactor kernel needs KERAS_BACKEND=torch; this run is {BACKEND}"
+    _REASON = f"the eager-torch blocked Adafactor step needs KERAS_BACKEND=torch; this run is {BACKEND}"
     print(f"{__name__}: skipped: {_REASON}")
     pytest.skip(_REASON, allow_module_level=True)
 
 torch = pytest.importorskip("torch")
 
+from keras_tpu_optim._backend import blocks  # noqa: E402
 from keras_tpu_optim._backend.torch import adafactor  # noqa: E402
 from keras_tpu_optim._math.adafactor import AdafactorOptions  # noqa: E402
 from _adafactor_options import make_options  # noqa: E402  (tests/ is on pythonpath)
@@ -63,7 +62,7 @@ def to_float64(t):
 
 
 @pytest.mark.parametrize(
-    "chunk_elements", [adafactor.CHUNK_ELEMENTS, 4], ids=["one_block", "blocks_of_4"]
+    "chunk_elements", [blocks.CHUNK_ELEMENTS, 4], ids=["one_block", "blocks_of_4"]
 )
 @pytest.mark.parametrize(
     "schedule", [{}, dict(decay_offset=2, beta_2_cap=0.6)], ids=["keras_decay", "offset_and_cap"]
@@ -87,14 +86,13 @@ def test_matches_numpy_reference(dtype, beta_1, relative_step, multiply_by_param
     expected = [x.astype(np_dtype) for x in inits]
     params = [to_torch(x, dtype) for x in inits]
     states = [make_state(s, beta_1) for s in SHAPES]
-    scratch = adafactor.Scratch()
     for t, step_grads in enumerate(grads):
         expected = reference.step(expected, [g.astype(np_dtype) for g in step_grads])
         # Other scalar dtypes than the kernel's float32, to exercise the casts.
         learning_rate = torch.tensor(0.5, dtype=torch.float64)
         step = torch.tensor(t + 1, dtype=torch.int64)
         for param, grad, (slots, momentum) in zip(params, step_grads, states):
-            adafactor.adafactor_step(
+            adafactor.blocked_step(
                 to_torch(grad, dtype),
                 param,
                 slots,
@@ -102,7 +100,6 @@ def test_matches_numpy_reference(dtype, beta_1, relative_step, multiply_by_param
                 learning_rate=learning_rate,
                 step=step,
                 options=options,
-                scratch=scratch,
                 chunk_elements=chunk_elements,
             )
         for i, (param, want) in enumerate(zip(params, expected)):
@@ -124,10 +121,6 @@ def test_matches_numpy_reference(dtype, beta_1, relative_step, multiply_by_param
     # Guard against a vacuous comparison: every variable moved.
     for i, (final, init) in enumerate(zip(expected, inits)):
         assert not np.allclose(final.astype(np.float64), init, rtol=1e-3, atol=0), f"variable {i} never moved"
-    # At most two buffers (a float32 copy of a bf16 block, and the update), each of a block at most.
-    largest = max(int(np.prod(s)) for s in SHAPES)
-    block = max(min(largest, chunk_elements), max(int(np.prod(s[1:])) for s in SHAPES))
-    assert scratch.nbytes <= (2 if dtype == "bfloat16" else 1) * 4 * block
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
@@ -145,7 +138,7 @@ def test_low_precision_param_is_updated_in_float32_and_rounded_once(shape, beta_
     for param, (slots, momentum) in zip((low, high), states):
         if momentum is not None:
             momentum.copy_(0.1 * torch.randn(shape, generator=torch.Generator().manual_seed(4)))
-        adafactor.adafactor_step(
+        adafactor.blocked_step(
             grad,
             param,
             slots,
@@ -153,7 +146,6 @@ def test_low_precision_param_is_updated_in_float32_and_rounded_once(shape, beta_
             learning_rate=torch.tensor(0.01),
             step=torch.tensor(2),
             options=options,
-            scratch=adafactor.Scratch(),
         )
     assert low.dtype == dtype
     assert torch.equal(low, high.to(dtype))
@@ -191,18 +183,17 @@ def test_no_host_device_synchronisation(sync_counter, extra):
     shapes = [(3,), (37, 5), (2, 16, 3), (1, 7), (), (64,), (8, 8), (128, 16), (3, 4, 5), (16, 1)] * 2
     rng = np.random.default_rng(1)
     options = make_options(NumpyAdafactor(beta_1=0.9), **extra)
-    # Half bf16: the low-precision path (copy into the scratch, one rounding) syncs no more.
+    # Half bf16: the low-precision path (blocks read in float32, one rounding) syncs no more.
     dtypes = ["float32", "bfloat16"] * 10
     params = [to_torch(rng.normal(size=s), d) for s, d in zip(shapes, dtypes)]
     grads = [to_torch(rng.normal(size=s), d) for s, d in zip(shapes, dtypes)]
     states = [make_state(s, 0.9, options) for s in shapes]
     learning_rate = torch.tensor(0.01)
-    scratch = adafactor.Scratch()
     for t in range(3):
         step = torch.tensor(t + 1.0)
         for param, grad, (slots, momentum) in zip(params, grads, states):
-            adafactor.adafactor_step(
-                grad, param, slots, momentum, learning_rate=learning_rate, step=step, options=options, scratch=scratch
+            adafactor.blocked_step(
+                grad, param, slots, momentum, learning_rate=learning_rate, step=step, options=options
             )
     assert sum(sync_counter.values()) == 0, {k: v for k, v in sync_counter.items() if v}
     assert all(bool(torch.isfinite(p).all()) for p in params)
@@ -210,8 +201,9 @@ def test_no_host_device_synchronisation(sync_counter, extra):
 
 # float32 only: on CPU, torch materialises a float32 copy of a bf16 operand in mixed-dtype
 # ops (CUDA casts on the fly), so a bf16 variable costs temporaries here that it does not on GPU.
+# Factored only: an unfactored variable's statistics are as big as itself, and updated whole.
 @pytest.mark.parametrize("beta_1", [None, 0.9], ids=["no_momentum", "momentum"])
-@pytest.mark.parametrize("shape", [(256, 512), (256 * 512,)], ids=["factored", "unfactored"])
+@pytest.mark.parametrize("shape", [(256, 512), (16, 64, 128)], ids=["matrix", "rank_3"])
 def test_no_full_size_allocation(shape, beta_1):
     from torch.profiler import ProfilerActivity, profile
 
@@ -219,62 +211,13 @@ def test_no_full_size_allocation(shape, beta_1):
     rng = np.random.default_rng(2)
     param, grad = (to_torch(rng.normal(size=shape), "float32") for _ in range(2))
     slots, momentum = make_state(shape, beta_1)
-    scratch = adafactor.Scratch()
     chunk = param.numel() // 16
-    kwargs = dict(learning_rate=torch.tensor(0.01), step=torch.tensor(1.0), options=options, scratch=scratch)
+    kwargs = dict(learning_rate=torch.tensor(0.01), step=torch.tensor(1.0), options=options)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        adafactor.adafactor_step(grad, param, slots, momentum, chunk_elements=chunk, **kwargs)
+        adafactor.blocked_step(grad, param, slots, momentum, chunk_elements=chunk, **kwargs)
     # Row/column-sized temporaries are at most 512 floats, a block 32 KiB; a copy of the variable is 512 KiB.
     largest = max((e.cpu_memory_usage for e in prof.events()), default=0)
     assert largest < param.numel() * 4 // 8, f"an op allocated {largest} bytes"
-    assert scratch.nbytes == 4 * chunk
-
-
-def test_scratch_grows_is_reused_and_released():
-    scratch = adafactor.Scratch()
-    assert scratch.nbytes == 0
-    small = scratch.like(torch.empty(3, 4, dtype=torch.bfloat16))
-    assert small.shape == (3, 4) and small.dtype == torch.float32 and scratch.nbytes == 4 * 12
-    # Grows to the largest variable...
-    large = scratch.like(torch.empty(50, 20))
-    assert large.shape == (50, 20) and scratch.nbytes == 4 * 1000
-    # ... and is reused, not reallocated, for every smaller one.
-    again = scratch.like(torch.empty(7))
-    assert again.data_ptr() == large.data_ptr()
-    assert again.untyped_storage().data_ptr() == large.untyped_storage().data_ptr()
-    assert scratch.nbytes == 4 * 1000
-
-    # Through the kernel: sized to the largest of a set of variables, the same storage every step.
-    options = make_options(NumpyAdafactor())
-    shapes = [(5,), (40, 30), (9, 2)]
-    params = [torch.randn(s) for s in shapes]
-    states = [make_state(s, None) for s in shapes]
-    storages = set()
-    for t in range(3):
-        for param, (slots, momentum) in zip(params, states):
-            adafactor.adafactor_step(
-                torch.randn(param.shape),
-                param,
-                slots,
-                momentum,
-                learning_rate=torch.tensor(0.01),
-                step=torch.tensor(t + 1),
-                options=options,
-                scratch=scratch,
-            )
-            if t > 0:  # the first step grows it to the largest variable (one block each here)
-                storages.add(scratch.like(param, 1).untyped_storage().data_ptr())
-    assert len(storages) == 1
-    assert scratch.nbytes == 4 * (1000 + 1200)  # slot 0 (above), slot 1 (the kernel's update)
-
-    # release() drops the buffer: once no view is left, its memory is freed.
-    buffer = weakref.ref(scratch.like(params[0])._base)
-    del small, large, again
-    assert buffer() is not None
-    scratch.release()
-    assert scratch.nbytes == 0
-    assert buffer() is None
-    assert scratch.like(torch.empty(2)).shape == (2,) and scratch.nbytes == 8
 
 
 @pytest.mark.parametrize("factored_dims", ["last_two", "two_largest"])
@@ -284,22 +227,22 @@ def test_blocks_round_stochastically_as_one_block(beta_1, factored_dims):
     options = AdafactorOptions(beta_1=beta_1, factored_dims=factored_dims, stochastic_rounding=True, seed=3)
     rng = np.random.default_rng(4)
     results = []
-    for chunk in (adafactor.CHUNK_ELEMENTS, 50, 7):
+    for chunk in (blocks.CHUNK_ELEMENTS, 50, 7):
         params = []
         for shape in [(40, 30), (9, 20, 6), (300,)]:
-            param = to_torch(rng.normal(size=shape) if chunk == adafactor.CHUNK_ELEMENTS else results[0][len(params)][1], "bfloat16")
+            param = to_torch(rng.normal(size=shape) if chunk == blocks.CHUNK_ELEMENTS else results[0][len(params)][1], "bfloat16")
             init = param.clone()
             grad = to_torch(np.random.default_rng(5).normal(size=shape), "bfloat16")
             slots, momentum = make_state(shape, beta_1, options)
             for t in range(3):
-                adafactor.adafactor_step(
+                adafactor.blocked_step(
                     grad, param, slots, momentum, learning_rate=torch.tensor(0.01), step=torch.tensor(t + 1),
-                    options=options, scratch=adafactor.Scratch(), variable_index=len(params), chunk_elements=chunk,
+                    options=options, variable_index=len(params), chunk_elements=chunk,
                 )
             params.append((param, to_float64(init)))
         results.append(params)
-    for blocks in results[1:]:
-        for (whole, _), (blocked, init) in zip(results[0], blocks):
+    for in_blocks in results[1:]:
+        for (whole, _), (blocked, init) in zip(results[0], in_blocks):
             assert not np.array_equal(to_float64(whole), init)
             # The same bits but where float32 sums in another order moved a value across a rounding threshold.
             assert np.mean(to_float64(whole) == to_float64(blocked)) > 0.99
