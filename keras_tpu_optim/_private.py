@@ -67,8 +67,16 @@ def overwritten_with_gradient(optimizer, variable) -> bool:
 
 
 def uses_weight_decay(optimizer, variable) -> bool:
-    """Keras's `exclude_from_weight_decay` decision for `variable`."""
-    return optimizer._use_weight_decay(variable)
+    """Keras's `exclude_from_weight_decay` decision for `variable`, whether the optimizer is built or not.
+
+    Keras 3.16 makes the decision in `build` (its `_use_weight_decay` raises
+    before) and keeps the check itself as `_is_excluded_from_weight_decay`;
+    3.15's `_use_weight_decay` checks on each call. The EmbeddingAdam of a
+    `layers.Embedding` is never built.
+    """
+    if optimizer.built or not hasattr(optimizer, "_is_excluded_from_weight_decay"):
+        return optimizer._use_weight_decay(variable)
+    return not optimizer._is_excluded_from_weight_decay(variable)
 
 
 def has_weight_decay_exclusions(optimizer) -> bool:

@@ -77,6 +77,23 @@ def test_variable_bookkeeping():
     assert _private.variable_layout(kernel) is None
 
 
+def test_weight_decay_decision_of_an_unbuilt_optimizer():
+    """The EmbeddingAdam of a `layers.Embedding` is never built: its exclusions count as after a build.
+
+    (Keras 3.16's `_use_weight_decay` raises on an unbuilt optimizer.)
+    """
+    kernel = keras.Variable(np.ones((3, 2), np.float32), name="kernel")
+    bias = keras.Variable(np.ones((2,), np.float32), name="bias")
+    table = keras.Variable(np.ones((4, 2), np.float32), name="table")
+    optimizer = kto.EmbeddingAdam(weight_decay=0.1)
+    optimizer.exclude_from_weight_decay(var_list=[table], var_names=["bias"])
+    expected = {"kernel": True, "bias": False, "table": False}
+    assert not optimizer.built
+    assert {v.name: _private.uses_weight_decay(optimizer, v) for v in (kernel, bias, table)} == expected
+    optimizer.build([kernel, bias, table])
+    assert {v.name: _private.uses_weight_decay(optimizer, v) for v in (kernel, bias, table)} == expected
+
+
 def test_overwritten_with_gradient_variables_are_seen():
     variable = keras.Variable(np.ones((2,), np.float32))
     variable.overwrite_with_gradient = True
