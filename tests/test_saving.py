@@ -18,6 +18,9 @@ import keras_tpu_optim as kto
 from _kto_models import compile_model, fit_steps, make_data, make_model, optimizer_state, weights_of
 
 BACKEND = keras.backend.backend()
+# Keras 3.15's `optimizers.get("name")` deserializes the name, so a registered name
+# ("keras_tpu_optim>Adafactor") finds our class; 3.16's looks among Keras's own optimizers only.
+KERAS_GETS_REGISTERED_NAMES = tuple(int(part) for part in keras.__version__.split(".")[:2]) < (3, 16)
 
 
 def _trained(kind, optimizer, steps=3, batch_size=16):
@@ -111,7 +114,13 @@ def test_serialize_deserialize_and_lookup_by_registered_name(cls):
     name = f"keras_tpu_optim>{cls.__name__}"
     assert keras.saving.get_registered_name(cls) == name
     assert keras.saving.get_registered_object(name) is cls
-    looked_up = keras.optimizers.get(name)
+    if KERAS_GETS_REGISTERED_NAMES:
+        looked_up = keras.optimizers.get(name)
+    else:
+        # If this fails, Keras looks registered names up again: assert it as on 3.15.
+        with pytest.raises(ValueError, match="Could not interpret optimizer identifier"):
+            keras.optimizers.get(name)
+        looked_up = keras.optimizers.get({"class_name": name, "config": {}})
     assert type(looked_up) is cls
     # Unnamed instances are auto-named as Keras's are ("adafactor", "adafactor_1", ...).
     assert looked_up.get_config() == dict(cls().get_config(), name=looked_up.name)
