@@ -13,31 +13,40 @@
 # --keras-nightly: before widening the `keras` bound in pyproject.toml, runs `dev/test.sh --quick`
 # (extra arguments go to pytest) in the dev environment with the Keras release candidate below (or
 # KERAS_NIGHTLY) in place of requirements.txt's Keras: installed without dependencies into
-# .venv/keras-nightly and put first on PYTHONPATH, the environment itself left as it is.
+# .venv/keras-nightly and put first on PYTHONPATH, the environment itself left as it is. A
+# keras-hub nightly built against it (or KERAS_HUB_NIGHTLY) goes there too: requirements-nodeps.txt's
+# keras-hub imports private Keras names the next Keras may have dropped (tests/test_real_model.py).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [ "${1:-}" = "--keras-nightly" ]; then
   shift
-  nightly="${KERAS_NIGHTLY:-keras-nightly==3.16.0.dev2026102704}"
+  nightlies=("${KERAS_NIGHTLY:-keras-nightly==3.16.0.dev2026102704}"
+             "${KERAS_HUB_NIGHTLY:-keras-hub-nightly==0.33.0.dev202610250352}")
   . "$repo/dev/env.sh"
   target="$repo/.venv/keras-nightly"
-  # Reinstalled only when the version asked for is not the one there.
-  if ! [ -d "$target/$(echo "${nightly%%==*}" | tr - _)-${nightly##*==}.dist-info" ]; then
-    rm -rf "$target"
-    python -m pip install --quiet --no-deps --target "$target" "$nightly"
-  fi
+  # Reinstalled only when the versions asked for are not the ones there.
+  for nightly in "${nightlies[@]}"; do
+    if ! [ -d "$target/$(echo "${nightly%%==*}" | tr - _)-${nightly##*==}.dist-info" ]; then
+      rm -rf "$target"
+      python -m pip install --quiet --no-deps --target "$target" "${nightlies[@]}"
+      break
+    fi
+  done
   export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
   # The Keras the tests will import: the one in $target, not the environment's own (the numpy
-  # backend: nothing else to import).
+  # backend: nothing else to import); keras-hub's is checked without importing it (it imports
+  # TensorFlow).
   version="$(KERAS_BACKEND=numpy python - "$target" <<'PY'
-import os, sys
+import importlib.util, os, sys
 import keras
-if not os.path.abspath(keras.__file__).startswith(os.path.abspath(sys.argv[1]) + os.sep):
-    sys.exit(f"imported keras from {keras.__file__}, not from {sys.argv[1]}")
+target = os.path.abspath(sys.argv[1]) + os.sep
+for name, origin in (("keras", keras.__file__), ("keras_hub", importlib.util.find_spec("keras_hub").origin)):
+    if not os.path.abspath(origin).startswith(target):
+        sys.exit(f"{name} found at {origin}, not in {target}")
 print(keras.__version__)
 PY
 )"
-  echo "Keras $version from $target"
+  echo "Keras $version and ${nightlies[1]} from $target"
   status=0
   bash "$repo/dev/test.sh" --quick "$@" || status=$?
   echo "Quick tier with Keras $version: $([ "$status" = 0 ] && echo passed || echo FAILED)"
