@@ -48,11 +48,42 @@ class OptimizerBase(keras.optimizers.Optimizer):
       optimizer.
     """
 
+    # The subclass's own hyperparameters: plain attributes, as on Keras's optimizers, checked when set.
+    _HYPERPARAMETERS: frozenset = frozenset()
+
     def __init__(self, skip_nonfinite_updates=False, **kwargs):
         _checks.check_base_arguments(**kwargs)
         _checks.check_layout_map(type(self), kwargs.get("name"))
         super().__init__(**kwargs)
         self.skip_nonfinite_updates = _checks.check_bool("skip_nonfinite_updates", skip_nonfinite_updates)
+
+    def __setattr__(self, name, value):
+        # A hyperparameter set after construction is checked as the constructor checks it and takes effect at
+        # the next step (a traced train step keeps the values it was traced with, as with Keras's optimizers).
+        if name in self._HYPERPARAMETERS and self.__dict__.get("_hyperparameters_set"):
+            if self.built and value != getattr(self, name) and self._decides_state(name, value):
+                raise ValueError(
+                    f"{type(self).__name__}.{name} decides the optimizer's state (its slots), which is built: set "
+                    f"it before the first step, or use a new optimizer. Received: {name}={value!r}"
+                )
+            values = {key: getattr(self, key) for key in self._HYPERPARAMETERS}
+            values[name] = value
+            value = self._checked_hyperparameters(values)[name]
+        super().__setattr__(name, value)
+
+    def _set_hyperparameters(self, values: dict) -> None:
+        """The constructor's last step: `values` (checked, `_checked_hyperparameters`) become the attributes."""
+        for name, value in self._checked_hyperparameters(values).items():
+            setattr(self, name, value)
+        self._hyperparameters_set = True
+
+    def _checked_hyperparameters(self, values: dict) -> dict:
+        """`values` of every hyperparameter, checked together (a `ValueError` naming the argument), normalised."""
+        return values
+
+    def _decides_state(self, name: str, value) -> bool:
+        """Whether setting hyperparameter `name` to `value` would change the optimizer's state (its slots)."""
+        return False
 
     @property
     def _backend(self):

@@ -10,7 +10,6 @@ from keras_tpu_optim import _private, _slots
 from keras_tpu_optim._base import OptimizerBase, VariableState
 from keras_tpu_optim._math.adafactor import AdafactorOptions
 
-_OPTION_NAMES = frozenset(field.name for field in dataclasses.fields(AdafactorOptions))
 # What decides the optimizer's state (which slots, of which shapes, dtypes): fixed once it is built.
 _STATE_DEFINING = frozenset(["factored_dims", "min_dim_size_to_factor", "momentum_dtype"])
 
@@ -151,6 +150,7 @@ class Adafactor(OptimizerBase):
         name=None,
         **kwargs,
     ):
+        # Checked before the base class creates variables.
         options = AdafactorOptions(
             beta_2_decay=beta_2_decay,
             epsilon_1=epsilon_1,
@@ -182,30 +182,16 @@ class Adafactor(OptimizerBase):
             skip_nonfinite_updates=skip_nonfinite_updates,
             **kwargs,
         )
-        self._options = options
+        self._set_hyperparameters(options.to_config())
 
-    def __getattr__(self, name):
-        # Each option reads as an attribute (`optimizer.beta_1`), as on Keras's optimizers.
-        if name in _OPTION_NAMES:
-            return getattr(self.__dict__.get("_options", AdafactorOptions()), name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    _HYPERPARAMETERS = frozenset(field.name for field in dataclasses.fields(AdafactorOptions))
 
-    def __setattr__(self, name, value):
-        if name in _OPTION_NAMES:
-            options = self.__dict__["_options"]
-            current = getattr(options, name)
-            state_defining = name in _STATE_DEFINING or (name == "beta_1" and (value is None) != (current is None))
-            if state_defining and self.built and value != current:
-                raise ValueError(
-                    f"Adafactor.{name} decides the optimizer's state (its slots), which is built: set it before "
-                    f"the first step, or use a new optimizer. Received: {name}={value!r}"
-                )
-            super().__setattr__("_options", dataclasses.replace(options, **{name: value}))  # checked again
-            return
-        super().__setattr__(name, value)
+    def _checked_hyperparameters(self, values):
+        self._options = AdafactorOptions(**values)  # checked on creation; what every step reads
+        return self._options.to_config()
 
-    def __dir__(self):
-        return sorted(set(super().__dir__()) | _OPTION_NAMES)
+    def _decides_state(self, name, value):
+        return name in _STATE_DEFINING or (name == "beta_1" and (value is None) != (self.beta_1 is None))
 
     def _make_state(self, variable) -> VariableState:
         """Row and column statistics (factored) or a full `v` (unfactored), and the momentum if `beta_1`.

@@ -268,38 +268,17 @@ class EmbeddingAdam(OptimizerBase):
             skip_nonfinite_updates=skip_nonfinite_updates,
             **kwargs,
         )
-        self.beta_1 = beta_1
-        self.beta_2 = beta_2
-        self.epsilon = epsilon
-        self.lazy_adam = lazy_adam
-        self.sum_inside_sqrt = sum_inside_sqrt
-        self.use_gradient_accumulation = use_gradient_accumulation
-        self.clip_weight_min = clip_weight_min
-        self.clip_weight_max = clip_weight_max
-        self.weight_decay_factor = weight_decay_factor
-        self.multiply_weight_decay_factor_by_learning_rate = multiply_weight_decay_factor_by_learning_rate
-        self.slot_variable_creation_fn = slot_variable_creation_fn
-        # Keras's attribute, as given; applied per row (`_clip_gradients` leaves it alone).
-        self.clipvalue = clipvalue
-        self.low_dimensional_packing_status = low_dimensional_packing_status
-        self.max_touched_rows = max_touched_rows
-        self.second_moment = second_moment
-        self.bias_correction = bias_correction
-        self._arguments_checked = True
+        # `clipvalue`: ours, applied per row after duplicates are summed (not Keras's, which it passed None).
+        self._set_hyperparameters({name: value for name, value in locals().items() if name in _HYPERPARAMETERS})
 
-    def __setattr__(self, name, value):
-        # A hyperparameter set after construction takes effect at the next step (a traced train step keeps the
-        # values it was traced with, as with Keras's optimizers), once checked as the constructor checks it.
-        if name in _HYPERPARAMETERS and self.__dict__.get("_arguments_checked"):
-            if name in _STATE_DEFINING and self.built and value != getattr(self, name):
-                raise ValueError(
-                    f"EmbeddingAdam.{name} decides the optimizer's state (its slots), which is built: set it "
-                    f"before the first step, or use a new optimizer. Received: {name}={value!r}"
-                )
-            arguments = {key: getattr(self, key) for key in _HYPERPARAMETERS}
-            arguments[name] = value
-            _check_arguments(**arguments, weight_decay=getattr(self, "weight_decay", None))
-        super().__setattr__(name, value)
+    _HYPERPARAMETERS = _HYPERPARAMETERS
+
+    def _checked_hyperparameters(self, values):
+        _check_arguments(**values, weight_decay=getattr(self, "weight_decay", None))
+        return values
+
+    def _decides_state(self, name, value):
+        return name in _STATE_DEFINING
 
     def _kept_axes(self, variable, name):
         """The axes of the table a slot keeps: all (None), or axis 0 for a rowwise `velocities`."""
@@ -505,13 +484,11 @@ class EmbeddingAdam(OptimizerBase):
         return tuple(slots[name] for name in SLOT_NAMES)
 
     def _clip_gradients(self, grads):
-        # Keras's clipnorm/global_clipnorm only: clipvalue acts in the row update,
-        # per row after duplicate ids are summed, and only on touched rows.
-        clipvalue, self.clipvalue = self.clipvalue, None
-        try:
+        # Keras's clipnorm/global_clipnorm only (Keras clips by value only without them): clipvalue acts in the
+        # row update, per row after duplicate ids are summed, and only on touched rows.
+        if (self.clipnorm or 0) > 0 or (self.global_clipnorm or 0) > 0:
             return super()._clip_gradients(grads)
-        finally:
-            self.clipvalue = clipvalue
+        return grads
 
     def _apply_weight_decay(self, variables):
         # Keras's decay would touch every row every step; ours is lazy (update_step).

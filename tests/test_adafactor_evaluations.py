@@ -89,7 +89,7 @@ def _evaluations(shape):
     if BACKEND == "torch":
         from keras_tpu_optim._backend.torch import adafactor as torch_adafactor
 
-        evaluations["torch_norms_in_blocks"] = blocks.Blocked(shape, torch_adafactor.NORMS, chunk_elements=40)
+        evaluations["torch_norms_in_blocks"] = blocks.Blocked(shape, torch_adafactor.EVALUATION, chunk_elements=40)
     return evaluations
 
 

@@ -102,3 +102,19 @@ def test_a_hyperparameter_set_is_checked_and_one_that_decides_the_state_is_fixed
             setattr(optimizer, name, value)
     adafactor.epsilon_1 = 1e-20  # a number: still settable
     assert adafactor.epsilon_1 == 1e-20
+
+
+def test_steps_check_no_hyperparameter_again():
+    """Hyperparameters are checked when set, once: a step reads them, and checks nothing again."""
+    variable = keras.Variable(np.ones((6, 4), "float32"))
+    for optimizer, name in ((kto.Adafactor(0.01, beta_1=0.5), "epsilon_1"),
+                            (kto.EmbeddingAdam(0.01, clipvalue=1.0, clipnorm=2.0), "epsilon")):
+        checks = []
+        checked = optimizer._checked_hyperparameters
+        optimizer._checked_hyperparameters = lambda values: checks.append(values) or checked(values)
+        optimizer.build([variable])
+        for _ in range(2):
+            optimizer.apply([keras.ops.ones((6, 4))], [variable])
+        assert checks == []
+        setattr(optimizer, name, 1e-6)
+        assert len(checks) == 1 and getattr(optimizer, name) == 1e-6
