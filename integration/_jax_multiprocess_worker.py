@@ -35,7 +35,10 @@ import keras_tpu_optim as kto  # noqa: E402
 
 if num_processes > 1:
     keras.distribution.initialize(f"127.0.0.1:{job['port']}", num_processes, process_id)
-print(f"process {jax.process_index()}/{jax.process_count()}: {jax.local_device_count()} local of {jax.device_count()} devices", flush=True)
+print(
+    f"process {jax.process_index()}/{jax.process_count()}: {jax.local_device_count()} local of {jax.device_count()} devices",
+    flush=True,
+)
 
 BATCH = 16
 TOTAL_STEPS = job.get("total_steps", 5)
@@ -52,7 +55,8 @@ OPTIMIZERS = {
     # "adafactor" (and named so: checkpoints hold optimizer variables by path) with a schedule
     # of the same value, to resume a checkpoint with a float learning rate it has no variable for.
     "adafactor_constant_schedule": lambda: kto.Adafactor(
-        learning_rate=keras.optimizers.schedules.PiecewiseConstantDecay([1000], [0.01, 0.01]), name="adafactor"
+        learning_rate=keras.optimizers.schedules.PiecewiseConstantDecay([1000], [0.01, 0.01]),
+        name="adafactor",
     ),
 }
 
@@ -79,7 +83,9 @@ def make_model():
 
 
 def distribution():
-    mesh = keras.distribution.DeviceMesh((2, 4), ["model", "batch"], keras.distribution.list_devices())
+    mesh = keras.distribution.DeviceMesh(
+        (2, 4), ["model", "batch"], keras.distribution.list_devices()
+    )
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map[".*embedding/embeddings"] = ("model", None)
     layout_map[".*dense/kernel"] = (None, "model")
@@ -119,9 +125,13 @@ def run(spec):
         callbacks = []
         if spec.get("save_at"):
             callbacks.append(
-                keras.callbacks.OrbaxCheckpoint(spec["checkpoint"], save_freq=spec["save_at"], save_on_background=False)
+                keras.callbacks.OrbaxCheckpoint(
+                    spec["checkpoint"], save_freq=spec["save_at"], save_on_background=False
+                )
             )
-        model.fit(ids, targets, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=callbacks)
+        model.fit(
+            ids, targets, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=callbacks
+        )
         dump(spec["name"], model)
     elif spec["op"] == "resume":
         # The model and optimizer as they were built for training, under the current
@@ -134,7 +144,9 @@ def run(spec):
         done = int(fetch(counter.value))
         assert done == spec["resume_at"], (done, spec["resume_at"])
         start = done * BATCH
-        model.fit(ids[start:], targets[start:], batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+        model.fit(
+            ids[start:], targets[start:], batch_size=BATCH, epochs=1, verbose=0, shuffle=False
+        )
         dump(spec["name"], model)
     elif spec["op"] == "expect_error":
         model = make_model()
@@ -155,10 +167,15 @@ def run(spec):
         # model.save needs every value on one process; what each part says.
         model = make_model()
         model.compile(optimizer=OPTIMIZERS[spec["optimizer"]](), loss="mse")
-        model.fit(ids[:BATCH], targets[:BATCH], batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+        model.fit(
+            ids[:BATCH], targets[:BATCH], batch_size=BATCH, epochs=1, verbose=0, shuffle=False
+        )
         errors = {}
         path = os.path.join(job["out"], f"p{process_id}_m.keras")
-        for what, call in [("model.save", lambda: model.save(path)), ("optimizer", lambda: model.optimizer.save_own_variables({}))]:
+        for what, call in [
+            ("model.save", lambda: model.save(path)),
+            ("optimizer", lambda: model.optimizer.save_own_variables({})),
+        ]:
             try:
                 call()
                 errors[what] = None

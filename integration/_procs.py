@@ -82,7 +82,9 @@ class ProcessGroup:
             text = log.read_text(errors="replace") if log.exists() else ""
             if len(text) > LOG_TAIL:
                 text = "...\n" + text[-LOG_TAIL:]
-            parts.append(f"----- {self.name}/{label} (exit {process.returncode}) log {log} -----\n{text}")
+            parts.append(
+                f"----- {self.name}/{label} (exit {process.returncode}) log {log} -----\n{text}"
+            )
         return "\n".join(parts)
 
     def end_all(self) -> None:

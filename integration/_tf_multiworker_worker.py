@@ -34,7 +34,9 @@ if num_workers > 1:
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
 else:
     strategy = tf.distribute.get_strategy()
-print(f"worker {worker}/{num_workers}: {strategy.num_replicas_in_sync} replicas in sync", flush=True)
+print(
+    f"worker {worker}/{num_workers}: {strategy.num_replicas_in_sync} replicas in sync", flush=True
+)
 
 BATCH = 16
 TOTAL_STEPS = 5
@@ -80,8 +82,16 @@ def spy_on_gradients(optimizer, seen):
 
 
 def dump(name, model, extra=None):
-    arrays = {f"w{i}": keras.ops.convert_to_numpy(v.value) for i, v in enumerate(model.trainable_variables)}
-    arrays.update({f"o{i}": keras.ops.convert_to_numpy(v.value) for i, v in enumerate(model.optimizer.variables)})
+    arrays = {
+        f"w{i}": keras.ops.convert_to_numpy(v.value)
+        for i, v in enumerate(model.trainable_variables)
+    }
+    arrays.update(
+        {
+            f"o{i}": keras.ops.convert_to_numpy(v.value)
+            for i, v in enumerate(model.optimizer.variables)
+        }
+    )
     if worker == 0:
         np.savez(os.path.join(job["out"], f"{name}.npz"), **arrays)
     with open(os.path.join(job["out"], f"{name}.w{worker}.json"), "w") as f:
@@ -90,7 +100,11 @@ def dump(name, model, extra=None):
 
 def save_path(path):
     # Every worker must take part in saving; only the chief's file is kept.
-    return path if worker == 0 else os.path.join(os.path.dirname(path), f"worker{worker}_{os.path.basename(path)}")
+    return (
+        path
+        if worker == 0
+        else os.path.join(os.path.dirname(path), f"worker{worker}_{os.path.basename(path)}")
+    )
 
 
 def batches(ids, targets):
@@ -100,7 +114,9 @@ def batches(ids, targets):
         per_replica = context.get_per_replica_batch_size(BATCH)
         first = context.input_pipeline_id * per_replica
         dataset = tf.data.Dataset.from_tensor_slices((ids, targets)).batch(BATCH)
-        return dataset.map(lambda x, y: (x[first : first + per_replica], y[first : first + per_replica]))
+        return dataset.map(
+            lambda x, y: (x[first : first + per_replica], y[first : first + per_replica])
+        )
 
     return strategy.distribute_datasets_from_function(per_pipeline)
 
@@ -114,7 +130,9 @@ def train_function(model):
 
     def replica_step(x, y):
         with tf.GradientTape() as tape:
-            loss = tf.nn.compute_average_loss(per_example_loss(y, model(x, training=True)), global_batch_size=BATCH)
+            loss = tf.nn.compute_average_loss(
+                per_example_loss(y, model(x, training=True)), global_batch_size=BATCH
+            )
         gradients = tape.gradient(loss, model.trainable_variables)
         model.optimizer.apply_gradients(zip(gradients, model.trainable_variables))
         return loss
@@ -155,7 +173,10 @@ def run(spec):
             model = keras.saving.load_model(spec["load"])
         spy_on_gradients(model.optimizer, seen)
         counter = model.optimizer.variables[0]
-        assert counter.name == "iteration" and int(counter.numpy()) == spec["resume_at"], (counter.name, counter.numpy())
+        assert counter.name == "iteration" and int(counter.numpy()) == spec["resume_at"], (
+            counter.name,
+            counter.numpy(),
+        )
         split = spec["resume_at"] * BATCH
         fit(model, ids[split:], targets[split:])
         dump(spec["name"], model, {"gradients": seen})

@@ -11,6 +11,7 @@ micro-step over windows of N.
 
 (Run from the repository root with PYTHONPATH=. to time this checkout.)
 """
+
 import os, sys, time
 import numpy as np
 import keras
@@ -29,7 +30,10 @@ class KerasDense(kto.EmbeddingAdam):
 
 
 rng = np.random.default_rng(0)
-batches = [(rng.integers(0, ROWS, IDS).astype(np.int32), rng.normal(size=(IDS, DIM)).astype(np.float32)) for _ in range(8)]
+batches = [
+    (rng.integers(0, ROWS, IDS).astype(np.int32), rng.normal(size=(IDS, DIM)).astype(np.float32))
+    for _ in range(8)
+]
 
 
 def timed(optimizer):
@@ -37,14 +41,30 @@ def timed(optimizer):
     optimizer.build([table])
     if BACKEND == "tensorflow":
         import tensorflow as tf
-        grads = [tf.IndexedSlices(tf.constant(v), tf.constant(i), dense_shape=tf.constant([ROWS, DIM])) for i, v in batches]
-        step = optimizer.apply if MODE == "eager" else tf.function(lambda g: optimizer.apply([g], [table]), jit_compile=MODE == "xla")
+
+        grads = [
+            tf.IndexedSlices(tf.constant(v), tf.constant(i), dense_shape=tf.constant([ROWS, DIM]))
+            for i, v in batches
+        ]
+        step = (
+            optimizer.apply
+            if MODE == "eager"
+            else tf.function(lambda g: optimizer.apply([g], [table]), jit_compile=MODE == "xla")
+        )
         run = (lambda g: optimizer.apply([g], [table])) if MODE == "eager" else step
         sync = lambda: table.value[0, 0].numpy()
     else:
         import torch
-        grads = [torch.sparse_coo_tensor(torch.tensor(i, dtype=torch.int64)[None], torch.tensor(v), size=(ROWS, DIM)) for i, v in batches]
-        if isinstance(optimizer, KerasDense):  # Keras's dense accumulator cannot take a sparse gradient
+
+        grads = [
+            torch.sparse_coo_tensor(
+                torch.tensor(i, dtype=torch.int64)[None], torch.tensor(v), size=(ROWS, DIM)
+            )
+            for i, v in batches
+        ]
+        if isinstance(
+            optimizer, KerasDense
+        ):  # Keras's dense accumulator cannot take a sparse gradient
             grads = [g.to_dense() for g in grads[:4]]
         run = lambda g: optimizer.apply([g], [table])
         sync = lambda: None
@@ -61,7 +81,12 @@ def timed(optimizer):
     return np.median(times) * 1e3
 
 
-for name, make in [("plain", lambda: kto.EmbeddingAdam(0.01)),
-                   ("N=4 rows (new)", lambda: kto.EmbeddingAdam(0.01, gradient_accumulation_steps=N)),
-                   ("N=4 Keras dense (old)", lambda: KerasDense(0.01, gradient_accumulation_steps=N))]:
-    print(f"{BACKEND} {MODE} {name}: {timed(make()):.2f} ms/step (median over {REPS} windows of {N})", flush=True)
+for name, make in [
+    ("plain", lambda: kto.EmbeddingAdam(0.01)),
+    ("N=4 rows (new)", lambda: kto.EmbeddingAdam(0.01, gradient_accumulation_steps=N)),
+    ("N=4 Keras dense (old)", lambda: KerasDense(0.01, gradient_accumulation_steps=N)),
+]:
+    print(
+        f"{BACKEND} {MODE} {name}: {timed(make()):.2f} ms/step (median over {REPS} windows of {N})",
+        flush=True,
+    )

@@ -58,7 +58,9 @@ import sys
 
 import numpy as np
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's start-up chatter out of the tables
+os.environ.setdefault(
+    "TF_CPP_MIN_LOG_LEVEL", "2"
+)  # keep TensorFlow's start-up chatter out of the tables
 import bench_common as bc  # noqa: E402  (the script's folder is on sys.path)
 
 BYTES_PER_PARAM = 24
@@ -266,7 +268,9 @@ def build_runners(backend, params_np, grads_np, skip_peers=False):
             runners.append(KerasTFRunner(KERAS, theirs, params_np, grads, jit_compile=True))
         runners.append(KerasTFRunner(OURS + " (no XLA)", ours, params_np, grads, jit_compile=False))
         if not skip_peers:
-            runners.append(KerasTFRunner(KERAS + " (no XLA)", theirs, params_np, grads, jit_compile=False))
+            runners.append(
+                KerasTFRunner(KERAS + " (no XLA)", theirs, params_np, grads, jit_compile=False)
+            )
     elif backend == "torch":
         import torch
 
@@ -275,8 +279,14 @@ def build_runners(backend, params_np, grads_np, skip_peers=False):
         if not skip_peers:
             runners.append(KerasTorchRunner(KERAS, theirs, params_np, grads))
             tgrads = [torch.from_numpy(g) for g in grads_np]
-            runners.append(TorchAdafactorRunner("torch.optim.Adafactor", params_np, tgrads, foreach=None))
-            runners.append(TorchAdafactorRunner("torch.optim.Adafactor(foreach=True)", params_np, tgrads, foreach=True))
+            runners.append(
+                TorchAdafactorRunner("torch.optim.Adafactor", params_np, tgrads, foreach=None)
+            )
+            runners.append(
+                TorchAdafactorRunner(
+                    "torch.optim.Adafactor(foreach=True)", params_np, tgrads, foreach=True
+                )
+            )
     else:
         raise SystemExit(f"unsupported backend {backend!r}")
     return runners
@@ -284,10 +294,19 @@ def build_runners(backend, params_np, grads_np, skip_peers=False):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per optimizer (default 10; 3 with --quick)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed steps per optimizer (default 10; 3 with --quick)",
+    )
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation)")
-    ap.add_argument("--mem-steps", type=int, default=2,
-                    help="steps per optimizer for the peak-memory measurement, after the timing (default 2)")
+    ap.add_argument(
+        "--mem-steps",
+        type=int,
+        default=2,
+        help="steps per optimizer for the peak-memory measurement, after the timing (default 2)",
+    )
     ap.add_argument("--quick", action="store_true", help="a tiny stack, for smoke tests")
     ap.add_argument("--json", default=None, help="write the results as JSON to this path")
     args = ap.parse_args(argv)
@@ -300,15 +319,23 @@ def main(argv=None):
     n_params = int(sum(np.prod(s) for s in shapes))
     machine = bc.machine_info()
     print(f"Adafactor benchmark — backend {backend}, keras {keras.__version__}")
-    print(f"machine: {machine['cpu']}, {machine['cores']} cores, {machine['mem_gib']} GiB; load {machine['loadavg']}")
-    print(f"stack: {'quick' if args.quick else 'BERT-base-like'}, {len(shapes)} variables, "
-          f"{n_params / 1e6:.1f}M float32 params; {steps} timed steps after {args.warmup} warm-up\n", flush=True)
+    print(
+        f"machine: {machine['cpu']}, {machine['cores']} cores, {machine['mem_gib']} GiB; load {machine['loadavg']}"
+    )
+    print(
+        f"stack: {'quick' if args.quick else 'BERT-base-like'}, {len(shapes)} variables, "
+        f"{n_params / 1e6:.1f}M float32 params; {steps} timed steps after {args.warmup} warm-up\n",
+        flush=True,
+    )
 
     bw = bc.memcpy_bandwidth(64 * 2**20 if args.quick else 512 * 2**20)
     floor_ms = BYTES_PER_PARAM * n_params / bw["bytes_moved_per_s_best"] * 1e3
-    print(f"memcpy bandwidth (numpy, bytes moved = 2 x copied): {bw['gbps']:.1f} GB/s best "
-          f"({bw['gbps_median']:.1f} median); "
-          f"floor = {BYTES_PER_PARAM} B/param x {n_params / 1e6:.1f}M = {floor_ms:.1f} ms\n", flush=True)
+    print(
+        f"memcpy bandwidth (numpy, bytes moved = 2 x copied): {bw['gbps']:.1f} GB/s best "
+        f"({bw['gbps_median']:.1f} median); "
+        f"floor = {BYTES_PER_PARAM} B/param x {n_params / 1e6:.1f}M = {floor_ms:.1f} ms\n",
+        flush=True,
+    )
 
     params_np, grads_np = make_arrays(shapes)
     runners = build_runners(backend, params_np, grads_np)
@@ -352,8 +379,11 @@ def main(argv=None):
             r.step()
             r.sync()
         peaks[r.name] = mem.stop()
-        print(f"peak memory of a step, {r.name}: +{peaks[r.name]['peak_delta_mb']:.0f} MB "
-              f"({peaks[r.name]['method']}); warm-up added {warmup_growth[r.name]:.0f} MB", flush=True)
+        print(
+            f"peak memory of a step, {r.name}: +{peaks[r.name]['peak_delta_mb']:.0f} MB "
+            f"({peaks[r.name]['method']}); warm-up added {warmup_growth[r.name]:.0f} MB",
+            flush=True,
+        )
 
     results = {}
     for r in runners:
@@ -375,18 +405,36 @@ def main(argv=None):
     print()
     bc.print_table(
         f"Adafactor on {backend}: {n_params / 1e6:.1f}M params, median of {steps} steps",
-        ["optimizer", "state/params", "step ms (median)", "min", "max", "x floor", "step peak MB", "warm-up MB"],
         [
-            [n, bc.fmt(v["state_over_params"], ".4f"), bc.fmt(v["median_ms"], ".1f"), bc.fmt(v["min_ms"], ".1f"),
-             bc.fmt(v["max_ms"], ".1f"), bc.fmt(v["over_floor"], ".2f"), bc.fmt(v["peak_delta_mb"], ".0f"),
-             bc.fmt(v["warmup_rss_growth_mb"], ".0f")]
+            "optimizer",
+            "state/params",
+            "step ms (median)",
+            "min",
+            "max",
+            "x floor",
+            "step peak MB",
+            "warm-up MB",
+        ],
+        [
+            [
+                n,
+                bc.fmt(v["state_over_params"], ".4f"),
+                bc.fmt(v["median_ms"], ".1f"),
+                bc.fmt(v["min_ms"], ".1f"),
+                bc.fmt(v["max_ms"], ".1f"),
+                bc.fmt(v["over_floor"], ".2f"),
+                bc.fmt(v["peak_delta_mb"], ".0f"),
+                bc.fmt(v["warmup_rss_growth_mb"], ".0f"),
+            ]
             for n, v in results.items()
         ]
         + [["memory-bandwidth floor", "-", bc.fmt(floor_ms, ".1f"), "", "", "1.00", "", ""]],
     )
-    print("step peak MB: RSS during the step above the RSS before it, one optimizer at a time after the timing; "
-          "warm-up MB: RSS the warm-up steps added (persistent buffers, lazily created state, compilation).\n",
-          flush=True)
+    print(
+        "step peak MB: RSS during the step above the RSS before it, one optimizer at a time after the timing; "
+        "warm-up MB: RSS the warm-up steps added (persistent buffers, lazily created state, compilation).\n",
+        flush=True,
+    )
 
     ours = results[OURS]
     ratios = []
@@ -394,12 +442,16 @@ def main(argv=None):
         if name.startswith(OURS):
             continue
         mine = results[OURS + " (no XLA)"] if name.endswith("(no XLA)") else ours
-        ratios.append({
-            "ours": OURS + (" (no XLA)" if name.endswith("(no XLA)") else ""),
-            "peer": name,
-            "time_ratio": mine["median_ms"] / v["median_ms"],
-            "state_ratio": (mine["state_bytes"] / v["state_bytes"]) if v["state_bytes"] else None,
-        })
+        ratios.append(
+            {
+                "ours": OURS + (" (no XLA)" if name.endswith("(no XLA)") else ""),
+                "peer": name,
+                "time_ratio": mine["median_ms"] / v["median_ms"],
+                "state_ratio": (mine["state_bytes"] / v["state_bytes"])
+                if v["state_bytes"]
+                else None,
+            }
+        )
     bc.print_table(
         "Ratios, ours / peer (lower is better)",
         ["ours", "peer", "step time", "state"],
@@ -410,38 +462,56 @@ def main(argv=None):
         return next((x["time_ratio"] for x in ratios if x["peer"] == peer), None)
 
     targets = [bc.target("state/params", ours["state_over_params"], 0.003)]
-    targets.append(bc.target(f"step / {KERAS}", ratio_to(KERAS), 0.6,
-                             "XLA path" if backend == "tensorflow" else ""))
+    targets.append(
+        bc.target(
+            f"step / {KERAS}", ratio_to(KERAS), 0.6, "XLA path" if backend == "tensorflow" else ""
+        )
+    )
     if backend == "tensorflow":
-        targets.append(bc.target(f"step / {KERAS} (no XLA)", ratio_to(KERAS + " (no XLA)"), 0.6,
-                                 "fit's path on CPU-only machines"))
+        targets.append(
+            bc.target(
+                f"step / {KERAS} (no XLA)",
+                ratio_to(KERAS + " (no XLA)"),
+                0.6,
+                "fit's path on CPU-only machines",
+            )
+        )
     if backend == "jax":
         targets.append(bc.target("step / optax.adafactor", ratio_to("optax.adafactor"), 0.8))
     if backend == "torch":
         t1, t2 = ratio_to("torch.optim.Adafactor"), ratio_to("torch.optim.Adafactor(foreach=True)")
         cands = [t for t in (t1, t2) if t is not None]
-        targets.append(bc.target("step / torch.optim.Adafactor", max(cands) if cands else None, 1.0,
-                                 "vs the faster of foreach=None/True"))
+        targets.append(
+            bc.target(
+                "step / torch.optim.Adafactor",
+                max(cands) if cands else None,
+                1.0,
+                "vs the faster of foreach=None/True",
+            )
+        )
     if backend in ("jax", "tensorflow"):
         targets.append(bc.target("step / bandwidth floor", ours["over_floor"], 2.0))
     bc.print_targets(targets)
 
-    bc.write_json(args.json, {
-        "bench": "adafactor",
-        "backend": backend,
-        "keras": keras.__version__,
-        "quick": args.quick,
-        "machine": machine,
-        "n_params": n_params,
-        "steps": steps,
-        "warmup": args.warmup,
-        "bandwidth": bw,
-        "bytes_per_param": BYTES_PER_PARAM,
-        "floor_ms": floor_ms,
-        "results": results,
-        "ratios": ratios,
-        "targets": targets,
-    })
+    bc.write_json(
+        args.json,
+        {
+            "bench": "adafactor",
+            "backend": backend,
+            "keras": keras.__version__,
+            "quick": args.quick,
+            "machine": machine,
+            "n_params": n_params,
+            "steps": steps,
+            "warmup": args.warmup,
+            "bandwidth": bw,
+            "bytes_per_param": BYTES_PER_PARAM,
+            "floor_ms": floor_ms,
+            "results": results,
+            "ratios": ratios,
+            "targets": targets,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -95,7 +95,11 @@ def memcpy_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 7) -> dict:
         "bytes_moved_per_s": 2 * n * 4 / med,
         "bytes_moved_per_s_best": 2 * n * 4 / best,
         "gbps_median": 2 * n * 4 / med / 1e9,
-        "gbps": 2 * n * 4 / best / 1e9,  # the best copy: the floor should be what the machine can do
+        "gbps": 2
+        * n
+        * 4
+        / best
+        / 1e9,  # the best copy: the floor should be what the machine can do
     }
 
 
@@ -224,7 +228,11 @@ def print_table(title: str, header: list[str], rows: list[list]) -> str:
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     lines = [title, "-" * len(title)]
     for k, r in enumerate(cells):
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        lines.append(
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
+            )
+        )
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
     text = "\n".join(lines)
@@ -241,11 +249,18 @@ def target(name: str, value, threshold: float, note: str = "") -> dict:
 
 def print_targets(targets: list[dict]) -> str:
     rows = [
-        [t["target"], fmt(t["value"], ".4g"), f"<= {t['threshold']:g}", {True: "PASS", False: "MISS", None: "n/a"}[t["pass"]]]
+        [
+            t["target"],
+            fmt(t["value"], ".4g"),
+            f"<= {t['threshold']:g}",
+            {True: "PASS", False: "MISS", None: "n/a"}[t["pass"]],
+        ]
         + ([t["note"]] if any(x["note"] for x in targets) else [])
         for t in targets
     ]
-    header = ["target", "measured", "goal", "result"] + (["note"] if any(x["note"] for x in targets) else [])
+    header = ["target", "measured", "goal", "result"] + (
+        ["note"] if any(x["note"] for x in targets) else []
+    )
     return print_table("Targets", header, rows)
 
 

@@ -50,7 +50,9 @@ import time
 
 import numpy as np
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's start-up chatter out of the tables
+os.environ.setdefault(
+    "TF_CPP_MIN_LOG_LEVEL", "2"
+)  # keep TensorFlow's start-up chatter out of the tables
 import bench_common as bc  # noqa: E402  (the script's folder is on sys.path)
 
 OURS = "keras_tpu_optim.EmbeddingAdam"
@@ -165,7 +167,9 @@ class KerasJaxRun(Run):
 
             if isinstance(opt, keras_tpu_optim.EmbeddingAdam):
                 cpu_tuning.advise_huge_pages([var], collapse=True)
-                cpu_tuning.advise_huge_pages([v for v in opt.variables if v.shape and v.shape[0] == var.shape[0]])
+                cpu_tuning.advise_huge_pages(
+                    [v for v in opt.variables if v.shape and v.shape[0] == var.shape[0]]
+                )
         self.opt_vals = [v.value for v in opt.variables]
         self.train_vals = [var.value]
         self.grads = [jnp.asarray(g) for g in dense_grads]
@@ -190,8 +194,10 @@ class KerasJaxBCOORun(KerasJaxRun):
         from jax.experimental import sparse as jax_sparse
 
         rows, dim = table_np.shape
-        bcoo = [jax_sparse.BCOO((jnp.asarray(v), jnp.asarray(i, jnp.int32)[:, None]), shape=(rows, dim))
-                for i, v in batches]
+        bcoo = [
+            jax_sparse.BCOO((jnp.asarray(v), jnp.asarray(i, jnp.int32)[:, None]), shape=(rows, dim))
+            for i, v in batches
+        ]
         super().__init__(name, make_opt, table_np, [])
         self.grads = bcoo
 
@@ -204,7 +210,9 @@ def bcoo_supported(make_opt):
 
         table = np.zeros((8, 2), np.float32)
         run = KerasJaxRun("probe", make_opt, table, [])
-        g = jax_sparse.BCOO((jnp.ones((2, 2), jnp.float32), jnp.asarray([[1], [1]], jnp.int32)), shape=(8, 2))
+        g = jax_sparse.BCOO(
+            (jnp.ones((2, 2), jnp.float32), jnp.asarray([[1], [1]], jnp.int32)), shape=(8, 2)
+        )
         run.grads = [g]
         run.step(0)
         run.sync()
@@ -273,7 +281,10 @@ def torch_sparse_grads(rows, dim, batches):
 
     return [
         torch.sparse_coo_tensor(
-            torch.from_numpy(ids)[None, :], torch.from_numpy(vals), (rows, dim), check_invariants=False
+            torch.from_numpy(ids)[None, :],
+            torch.from_numpy(vals),
+            (rows, dim),
+            check_invariants=False,
         )
         for ids, vals in batches
     ]
@@ -343,8 +354,10 @@ def measure_interleaved(makers, steps, warmup):
             run.step(warmup + i)
             run.sync()
             times[k].append((time.perf_counter() - t0) * 1e3)
-    return [{**timing_record(run, t), "rows": rows, "interleaved": True, "peak_delta_mb": None}
-            for (rows, run), t in zip(runs, times)]
+    return [
+        {**timing_record(run, t), "rows": rows, "interleaved": True, "peak_delta_mb": None}
+        for (rows, run), t in zip(runs, times)
+    ]
 
 
 # -------------------------------------------------- the torch-only subprocess
@@ -357,22 +370,38 @@ def sparse_adam_peer(args):
         table = np.random.default_rng(1).standard_normal((rows, args.dim), dtype=np.float32)
         batches = make_id_batches(rows, args.ids, 4, args.dim)
         grads = torch_sparse_grads(rows, args.dim, batches)
-        out[str(rows)] = measure(lambda: SparseAdamRun(table, grads), args.steps, args.warmup, args.max_seconds)
+        out[str(rows)] = measure(
+            lambda: SparseAdamRun(table, grads), args.steps, args.warmup, args.max_seconds
+        )
         del table, grads
         gc.collect()
     print("SPARSEADAM_JSON " + json.dumps(out), flush=True)
 
 
 def sparse_adam_in_subprocess(args):
-    cmd = [sys.executable, os.path.abspath(__file__), "--_sparse-adam-peer",
-           "--sizes", ",".join(str(s) for s in args.sizes), "--ids", str(args.ids), "--dim", str(args.dim),
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--max-seconds", str(args.max_seconds)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--_sparse-adam-peer",
+        "--sizes",
+        ",".join(str(s) for s in args.sizes),
+        "--ids",
+        str(args.ids),
+        "--dim",
+        str(args.dim),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--max-seconds",
+        str(args.max_seconds),
+    ]
     env = dict(os.environ, KERAS_BACKEND="torch")
     print(f"measuring {SPARSE_ADAM} in a torch-only subprocess ...", flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("SPARSEADAM_JSON "):
-            return {int(k): v for k, v in json.loads(line[len("SPARSEADAM_JSON "):]).items()}
+            return {int(k): v for k, v in json.loads(line[len("SPARSEADAM_JSON ") :]).items()}
     print(f"    torch subprocess failed (rc {proc.returncode}): {proc.stderr[-500:]}", flush=True)
     return {}
 
@@ -402,9 +431,19 @@ def _configs_for(backend, rows, dim, batches, skip_peers, bcoo, only):
     if backend == "tensorflow":
         for jit in (False, True):
             tag = f" [jit_compile={jit}]"
-            out.append((OURS + tag, lambda jit=jit, tag=tag: KerasTFRun(OURS + tag, ours, table, batches, jit)))
+            out.append(
+                (
+                    OURS + tag,
+                    lambda jit=jit, tag=tag: KerasTFRun(OURS + tag, ours, table, batches, jit),
+                )
+            )
             if not skip_peers:
-                out.append((ADAM + tag, lambda jit=jit, tag=tag: KerasTFRun(ADAM + tag, adam, table, batches, jit)))
+                out.append(
+                    (
+                        ADAM + tag,
+                        lambda jit=jit, tag=tag: KerasTFRun(ADAM + tag, adam, table, batches, jit),
+                    )
+                )
     elif backend == "jax":
         # Dense V x 64 gradients: keep at most ~1 GB of them.
         n = max(1, min(len(batches), int(1e9 // (rows * dim * 4))))
@@ -419,10 +458,25 @@ def _configs_for(backend, rows, dim, batches, skip_peers, bcoo, only):
         n = max(1, min(len(batches), int(1e9 // (rows * dim * 4))))
         dense = [keras.ops.convert_to_tensor(densify(rows, dim, i, v)) for i, v in batches[:n]]
         sparse = torch_sparse_grads(rows, dim, batches)
-        out.append((OURS + " [dense]", lambda: KerasTorchRun(OURS + " [dense]", ours, table, dense, "dense")))
+        out.append(
+            (
+                OURS + " [dense]",
+                lambda: KerasTorchRun(OURS + " [dense]", ours, table, dense, "dense"),
+            )
+        )
         if not skip_peers:
-            out.append((ADAM + " [dense]", lambda: KerasTorchRun(ADAM + " [dense]", adam, table, dense, "dense")))
-        out.append((OURS + " [sparse]", lambda: KerasTorchRun(OURS + " [sparse]", ours, table, sparse, "sparse COO")))
+            out.append(
+                (
+                    ADAM + " [dense]",
+                    lambda: KerasTorchRun(ADAM + " [dense]", adam, table, dense, "dense"),
+                )
+            )
+        out.append(
+            (
+                OURS + " [sparse]",
+                lambda: KerasTorchRun(OURS + " [sparse]", ours, table, sparse, "sparse COO"),
+            )
+        )
         if not skip_peers:
             out.append((SPARSE_ADAM, lambda: SparseAdamRun(table, sparse)))
     else:
@@ -444,31 +498,62 @@ def need_bytes(backend, rows, dim, only=None):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default=None, help="table rows, comma-separated (default 100k,1M,10M; quick: 10k,100k)")
-    ap.add_argument("--dim", type=int, default=None, help="embedding dimension (default 64; quick: 16)")
+    ap.add_argument(
+        "--sizes",
+        default=None,
+        help="table rows, comma-separated (default 100k,1M,10M; quick: 10k,100k)",
+    )
+    ap.add_argument(
+        "--dim", type=int, default=None, help="embedding dimension (default 64; quick: 16)"
+    )
     ap.add_argument("--ids", type=int, default=None, help="ids per step (default 4096; quick: 512)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 100, within --max-seconds; quick: 3)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed steps per configuration (default 100, within --max-seconds; quick: 3)",
+    )
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--max-seconds", type=float, default=None,
-                    help="stop timing a configuration after this long, once it has 3 steps (default 20)")
-    ap.add_argument("--mem-budget-gb", type=float, default=None,
-                    help="stop (exit 3, report written) if this process's RSS passes this; "
-                         "default: memory available at start minus 3 GiB")
-    ap.add_argument("--only", default=None,
-                    help="run only the configurations whose label contains this, e.g. '[BCOO]' "
-                         "(on JAX: then no dense gradients are built, so larger tables fit)")
+    ap.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="stop timing a configuration after this long, once it has 3 steps (default 20)",
+    )
+    ap.add_argument(
+        "--mem-budget-gb",
+        type=float,
+        default=None,
+        help="stop (exit 3, report written) if this process's RSS passes this; "
+        "default: memory available at start minus 3 GiB",
+    )
+    ap.add_argument(
+        "--only",
+        default=None,
+        help="run only the configurations whose label contains this, e.g. '[BCOO]' "
+        "(on JAX: then no dense gradients are built, so larger tables fit)",
+    )
     ap.add_argument("--quick", action="store_true", help="small tables, for smoke tests")
-    ap.add_argument("--huge-pages", action="store_true",
-                    help="JAX: advise ours' tables for huge pages after build (cpu_tuning.py)")
-    ap.add_argument("--interleave", action="store_true",
-                    help="with --only: build every size's run first, then time them a step each in turn "
-                         "(all sizes in memory at once; growth figures without load drift between sizes)")
+    ap.add_argument(
+        "--huge-pages",
+        action="store_true",
+        help="JAX: advise ours' tables for huge pages after build (cpu_tuning.py)",
+    )
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="with --only: build every size's run first, then time them a step each in turn "
+        "(all sizes in memory at once; growth figures without load drift between sizes)",
+    )
     ap.add_argument("--json", default=None, help="write the results as JSON to this path")
     ap.add_argument("--_sparse-adam-peer", dest="peer", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     global ADVISE_HUGE_PAGES
     ADVISE_HUGE_PAGES = args.huge_pages
-    args.sizes = [parse_size(s) for s in (args.sizes or ("10k,100k" if args.quick else "100k,1M,10M")).split(",")]
+    args.sizes = [
+        parse_size(s)
+        for s in (args.sizes or ("10k,100k" if args.quick else "100k,1M,10M")).split(",")
+    ]
     args.dim = args.dim or (16 if args.quick else 64)
     args.ids = args.ids or (512 if args.quick else 4096)
     args.steps = args.steps or (3 if args.quick else 100)
@@ -482,16 +567,24 @@ def main(argv=None):
     backend = keras.backend.backend()
     machine = bc.machine_info()
     print(f"EmbeddingAdam benchmark — backend {backend}, keras {keras.__version__}")
-    print(f"machine: {machine['cpu']}, {machine['cores']} cores, {machine['mem_gib']} GiB; load {machine['loadavg']}")
-    print(f"tables: {', '.join(size_label(s) for s in args.sizes)} rows x {args.dim} float32; "
-          f"{args.ids} ids a step (~25% duplicates); up to {args.steps} timed steps after {args.warmup} warm-up\n",
-          flush=True)
+    print(
+        f"machine: {machine['cpu']}, {machine['cores']} cores, {machine['mem_gib']} GiB; load {machine['loadavg']}"
+    )
+    print(
+        f"tables: {', '.join(size_label(s) for s in args.sizes)} rows x {args.dim} float32; "
+        f"{args.ids} ids a step (~25% duplicates); up to {args.steps} timed steps after {args.warmup} warm-up\n",
+        flush=True,
+    )
 
     records = []  # {rows, name, grad, median_ms, ..., peak_delta_mb} or {rows, name, error}
     skipped = []
     current = {}
     avail0 = available_bytes() or (8 << 30)
-    budget = int(args.mem_budget_gb * 2**30) if args.mem_budget_gb else bc.rss_bytes() + avail0 - (3 << 30)
+    budget = (
+        int(args.mem_budget_gb * 2**30)
+        if args.mem_budget_gb
+        else bc.rss_bytes() + avail0 - (3 << 30)
+    )
 
     def on_exceed(rss):
         msg = f"stopped: process RSS {rss / 2**30:.1f} GiB passed the memory budget {budget / 2**30:.1f} GiB"
@@ -501,7 +594,9 @@ def main(argv=None):
         report(backend, args, machine, list(records), skipped)
 
     MemoryWatchdog(budget, on_exceed)
-    print(f"memory budget for this process: {budget / 2**30:.1f} GiB (--mem-budget-gb)\n", flush=True)
+    print(
+        f"memory budget for this process: {budget / 2**30:.1f} GiB (--mem-budget-gb)\n", flush=True
+    )
     bcoo = False
     if backend == "jax":
         import keras_tpu_optim
@@ -515,26 +610,45 @@ def main(argv=None):
     if args.interleave:
         if not args.only:
             ap.error("--interleave needs --only (every size's runs are held in memory at once)")
-        makers = [(rows, factory) for rows in args.sizes
-                  for label, factory in configs_for(backend, rows, args.dim, make_id_batches(rows, args.ids, 4, args.dim),
-                                                    bcoo=bcoo, only=args.only)]
-        print(f"interleaved: {', '.join(size_label(r) for r, _ in makers)} a step each in turn\n", flush=True)
+        makers = [
+            (rows, factory)
+            for rows in args.sizes
+            for label, factory in configs_for(
+                backend,
+                rows,
+                args.dim,
+                make_id_batches(rows, args.ids, 4, args.dim),
+                bcoo=bcoo,
+                only=args.only,
+            )
+        ]
+        print(
+            f"interleaved: {', '.join(size_label(r) for r, _ in makers)} a step each in turn\n",
+            flush=True,
+        )
         records = measure_interleaved(makers, args.steps, args.warmup)
         for rec in records:
-            print(f"{size_label(rec['rows']):>5} rows: {rec['name']}: {rec['median_ms']:.2f} ms "
-                  f"(median of {len(rec['steps_ms'])})", flush=True)
+            print(
+                f"{size_label(rec['rows']):>5} rows: {rec['name']}: {rec['median_ms']:.2f} ms "
+                f"(median of {len(rec['steps_ms'])})",
+                flush=True,
+            )
     for rows in [] if args.interleave else args.sizes:
         avail = available_bytes()
         # The same 3 GiB of headroom as the watchdog's default budget.
         need = need_bytes(backend, rows, args.dim, args.only)
         if avail is not None and need > avail - (3 << 30):
-            msg = (f"skipping {size_label(rows)} rows: needs ~{need / 2**30:.1f} GiB, "
-                   f"{avail / 2**30:.1f} GiB available (3 GiB kept free)")
+            msg = (
+                f"skipping {size_label(rows)} rows: needs ~{need / 2**30:.1f} GiB, "
+                f"{avail / 2**30:.1f} GiB available (3 GiB kept free)"
+            )
             print(msg, flush=True)
             skipped.append({"rows": rows, "reason": msg})
             continue
         batches = make_id_batches(rows, args.ids, 4, args.dim)
-        for label, factory in configs_for(backend, rows, args.dim, batches, bcoo=bcoo, only=args.only):
+        for label, factory in configs_for(
+            backend, rows, args.dim, batches, bcoo=bcoo, only=args.only
+        ):
             print(f"{size_label(rows):>5} rows: {label} ...", flush=True)
             current.update(name=label, rows=rows)
             rec = measure(factory, args.steps, args.warmup, args.max_seconds)
@@ -543,8 +657,11 @@ def main(argv=None):
             rec["rows"] = rows
             records.append(rec)
             if "error" not in rec:
-                print(f"      {rec['median_ms']:.2f} ms (median of {len(rec['steps_ms'])}), "
-                      f"peak +{rec['peak_delta_mb']:.0f} MB", flush=True)
+                print(
+                    f"      {rec['median_ms']:.2f} ms (median of {len(rec['steps_ms'])}), "
+                    f"peak +{rec['peak_delta_mb']:.0f} MB",
+                    flush=True,
+                )
         del batches, label, factory  # the closures hold this size's table
         gc.collect()
 
@@ -574,15 +691,28 @@ def report(backend, args, machine, records, skipped):
     bc.print_table(
         f"EmbeddingAdam on {backend}: step time, ms (median)",
         ["optimizer", "gradient"] + [size_label(s) for s in sizes],
-        [[n, next((r.get("grad", "") for r in records if r["name"] == n and "grad" in r), "")]
-         + [("ERROR" if any(r["name"] == n and r["rows"] == s and "error" in r for r in records)
-             else bc.fmt(get(n, s)["median_ms"], ".2f") if get(n, s) else "-") for s in sizes]
-         for n in names],
+        [
+            [n, next((r.get("grad", "") for r in records if r["name"] == n and "grad" in r), "")]
+            + [
+                (
+                    "ERROR"
+                    if any(r["name"] == n and r["rows"] == s and "error" in r for r in records)
+                    else bc.fmt(get(n, s)["median_ms"], ".2f")
+                    if get(n, s)
+                    else "-"
+                )
+                for s in sizes
+            ]
+            for n in names
+        ],
     )
     bc.print_table(
         f"Peak memory of the step (RSS above the RSS after warm-up, MB; {records[0].get('method', 'RSS') if records else ''})",
         ["optimizer"] + [size_label(s) for s in sizes],
-        [[n] + [bc.fmt(get(n, s)["peak_delta_mb"], ".0f") if get(n, s) else "-" for s in sizes] for n in names],
+        [
+            [n] + [bc.fmt(get(n, s)["peak_delta_mb"], ".0f") if get(n, s) else "-" for s in sizes]
+            for n in names
+        ],
     )
 
     # ours -> peers, per backend
@@ -594,66 +724,135 @@ def report(backend, args, machine, records, skipped):
     elif backend == "jax":
         pairs = [(OURS, ADAM)] + ([(OURS_BCOO, ADAM)] if OURS_BCOO in names else [])
     else:
-        pairs = [(OURS + " [dense]", ADAM + " [dense]"), (OURS + " [sparse]", SPARSE_ADAM),
-                 (OURS + " [sparse]", ADAM + " [dense]")]
+        pairs = [
+            (OURS + " [dense]", ADAM + " [dense]"),
+            (OURS + " [sparse]", SPARSE_ADAM),
+            (OURS + " [sparse]", ADAM + " [dense]"),
+        ]
     ratios = []
     for mine, peer in pairs:
         for s in sizes:
             a, b = get(mine, s), get(peer, s)
-            ratios.append({"ours": mine, "peer": peer, "rows": s,
-                           "time_ratio": a["median_ms"] / b["median_ms"] if a and b else None})
+            ratios.append(
+                {
+                    "ours": mine,
+                    "peer": peer,
+                    "rows": s,
+                    "time_ratio": a["median_ms"] / b["median_ms"] if a and b else None,
+                }
+            )
     bc.print_table(
         "Ratios, ours / peer step time (lower is better)",
         ["ours", "peer"] + [size_label(s) for s in sizes],
-        [[m, p] + [bc.fmt(next(x["time_ratio"] for x in ratios if x["ours"] == m and x["peer"] == p and x["rows"] == s))
-                   for s in sizes] for m, p in pairs],
+        [
+            [m, p]
+            + [
+                bc.fmt(
+                    next(
+                        x["time_ratio"]
+                        for x in ratios
+                        if x["ours"] == m and x["peer"] == p and x["rows"] == s
+                    )
+                )
+                for s in sizes
+            ]
+            for m, p in pairs
+        ],
     )
     # growth with the table
     growth = []
     for n in names:
         pts = [(s, get(n, s)) for s in sizes if get(n, s)]
         for (s0, r0), (s1, r1) in zip(pts, pts[1:]):
-            growth.append({"name": n, "from": s0, "to": s1, "ratio": r1["median_ms"] / r0["median_ms"]})
+            growth.append(
+                {"name": n, "from": s0, "to": s1, "ratio": r1["median_ms"] / r0["median_ms"]}
+            )
     if growth:
         bc.print_table(
             "Growth with the table: time(larger) / time(smaller)",
             ["optimizer", "sizes", "time ratio"],
-            [[g["name"], f"{size_label(g['to'])}/{size_label(g['from'])}", bc.fmt(g["ratio"], ".2f")] for g in growth],
+            [
+                [
+                    g["name"],
+                    f"{size_label(g['to'])}/{size_label(g['from'])}",
+                    bc.fmt(g["ratio"], ".2f"),
+                ]
+                for g in growth
+            ],
         )
 
     # targets, at 1M rows (or the largest measured size in a quick run)
     ref = 1_000_000 if 1_000_000 in sizes else (max(sizes) if sizes else None)
-    small = 100_000 if (ref == 1_000_000 and 100_000 in sizes) else (
-        max([s for s in sizes if s < ref], default=None) if ref else None)
+    small = (
+        100_000
+        if (ref == 1_000_000 and 100_000 in sizes)
+        else (max([s for s in sizes if s < ref], default=None) if ref else None)
+    )
     at = f" @{size_label(ref)}" if ref else ""
 
     def ratio(mine, peer, s=ref):
-        return next((x["time_ratio"] for x in ratios if x["ours"] == mine and x["peer"] == peer and x["rows"] == s), None)
+        return next(
+            (
+                x["time_ratio"]
+                for x in ratios
+                if x["ours"] == mine and x["peer"] == peer and x["rows"] == s
+            ),
+            None,
+        )
 
     targets = []
     if backend == "tensorflow":
         for jit in (False, True):
             tag = f" [jit_compile={jit}]"
-            targets.append(bc.target(f"TF{tag} ours / {ADAM}{at}", ratio(OURS + tag, ADAM + tag), 0.05))
-            targets.append(bc.target(f"TF{tag} ours / {SPARSE_ADAM}{at}",
-                                     ratio(OURS + tag, SPARSE_ADAM + " (torch subprocess)"), 1.0))
+            targets.append(
+                bc.target(f"TF{tag} ours / {ADAM}{at}", ratio(OURS + tag, ADAM + tag), 0.05)
+            )
+            targets.append(
+                bc.target(
+                    f"TF{tag} ours / {SPARSE_ADAM}{at}",
+                    ratio(OURS + tag, SPARSE_ADAM + " (torch subprocess)"),
+                    1.0,
+                )
+            )
             a, b = get(OURS + tag, ref), get(OURS + tag, small) if small else None
-            targets.append(bc.target(f"TF{tag} ours time({size_label(ref)})/time({size_label(small) if small else '?'})",
-                                     a["median_ms"] / b["median_ms"] if a and b else None, 1.3))
+            targets.append(
+                bc.target(
+                    f"TF{tag} ours time({size_label(ref)})/time({size_label(small) if small else '?'})",
+                    a["median_ms"] / b["median_ms"] if a and b else None,
+                    1.3,
+                )
+            )
     elif backend == "jax":
         targets.append(bc.target(f"JAX ours / {ADAM}{at}", ratio(OURS, ADAM), 0.25))
         if OURS_BCOO in names:
-            targets.append(bc.target(f"JAX ours [BCOO] / {ADAM} [dense]{at}", ratio(OURS_BCOO, ADAM), 0.05))
+            targets.append(
+                bc.target(f"JAX ours [BCOO] / {ADAM} [dense]{at}", ratio(OURS_BCOO, ADAM), 0.05)
+            )
             big = 10 * ref if ref and 10 * ref in sizes else None
             a, b = (get(OURS_BCOO, big), get(OURS_BCOO, ref)) if big else (None, None)
-            targets.append(bc.target(f"JAX ours [BCOO] time({size_label(big) if big else size_label(10 * ref) if ref else '?'})"
-                                     f"/time({size_label(ref) if ref else '?'})",
-                                     a["median_ms"] / b["median_ms"] if a and b else None, 1.3,
-                                     "" if a and b else "larger table not measured"))
+            targets.append(
+                bc.target(
+                    f"JAX ours [BCOO] time({size_label(big) if big else size_label(10 * ref) if ref else '?'})"
+                    f"/time({size_label(ref) if ref else '?'})",
+                    a["median_ms"] / b["median_ms"] if a and b else None,
+                    1.3,
+                    "" if a and b else "larger table not measured",
+                )
+            )
     else:
-        targets.append(bc.target(f"torch dense ours / {ADAM}{at}", ratio(OURS + " [dense]", ADAM + " [dense]"), 0.1))
-        targets.append(bc.target(f"torch sparse ours / {SPARSE_ADAM}{at}", ratio(OURS + " [sparse]", SPARSE_ADAM), 1.0,
-                                 "informational (issue 3 sets this target on TF)"))
+        targets.append(
+            bc.target(
+                f"torch dense ours / {ADAM}{at}", ratio(OURS + " [dense]", ADAM + " [dense]"), 0.1
+            )
+        )
+        targets.append(
+            bc.target(
+                f"torch sparse ours / {SPARSE_ADAM}{at}",
+                ratio(OURS + " [sparse]", SPARSE_ADAM),
+                1.0,
+                "informational (issue 3 sets this target on TF)",
+            )
+        )
     bc.print_targets(targets)
 
     errors = [r for r in records if "error" in r]
@@ -661,20 +860,23 @@ def report(backend, args, machine, records, skipped):
         print("Errors:")
         for r in errors:
             print(f"  {r['name']} @ {size_label(r['rows'])}: {r['error']}")
-    bc.write_json(args.json, {
-        "bench": "embedding_adam",
-        "backend": backend,
-        "quick": args.quick,
-        "machine": machine,
-        "dim": args.dim,
-        "ids": args.ids,
-        "sizes": sizes,
-        "skipped": skipped,
-        "records": records,
-        "ratios": ratios,
-        "growth": growth,
-        "targets": targets,
-    })
+    bc.write_json(
+        args.json,
+        {
+            "bench": "embedding_adam",
+            "backend": backend,
+            "quick": args.quick,
+            "machine": machine,
+            "dim": args.dim,
+            "ids": args.ids,
+            "sizes": sizes,
+            "skipped": skipped,
+            "records": records,
+            "ratios": ratios,
+            "growth": growth,
+            "targets": targets,
+        },
+    )
 
 
 if __name__ == "__main__":

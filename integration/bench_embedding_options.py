@@ -89,9 +89,13 @@ def make_run(backend, who, options, table, batches):
     if backend == "jax":
         if who == "ours":
             return lambda: bea.KerasJaxBCOORun(label, make_opt, table, batches)
-        return lambda: bea.KerasJaxRun(label, make_opt, table, [bea.densify(rows, dim, i, v) for i, v in batches[:2]])
+        return lambda: bea.KerasJaxRun(
+            label, make_opt, table, [bea.densify(rows, dim, i, v) for i, v in batches[:2]]
+        )
     if who == "ours":
-        return lambda: bea.KerasTorchRun(label, make_opt, table, bea.torch_sparse_grads(rows, dim, batches), "sparse COO")
+        return lambda: bea.KerasTorchRun(
+            label, make_opt, table, bea.torch_sparse_grads(rows, dim, batches), "sparse COO"
+        )
     dense = [keras.ops.convert_to_tensor(bea.densify(rows, dim, i, v)) for i, v in batches[:2]]
     return lambda: bea.KerasTorchRun(label, make_opt, table, dense, "dense")
 
@@ -114,8 +118,13 @@ def interleaved(backend, plan, table, batches, steps, max_seconds, with_state=Tr
             if with_state and (who == "ours" or options == "plain"):
                 record["state_bytes"] = state_bytes(optimizer_factory(who, options), rows, dim)
         except Exception as e:  # report, keep going with the other configurations
-            record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-            print(f"  {bea.size_label(rows)} rows: {who} {options}: ERROR {record['error']}", flush=True)
+            record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[
+                :300
+            ]
+            print(
+                f"  {bea.size_label(rows)} rows: {who} {options}: ERROR {record['error']}",
+                flush=True,
+            )
             run = None
         runs.append(run)
         records.append(record)
@@ -133,8 +142,11 @@ def interleaved(backend, plan, table, batches, steps, max_seconds, with_state=Tr
             break
     for record in records:
         if "error" not in record:
-            print(f"  {bea.size_label(rows)} rows: {record['who']} {record['options']}: "
-                  f"{np.mean(record['steps_ms']):.2f} ms (mean of {len(record['steps_ms'])})", flush=True)
+            print(
+                f"  {bea.size_label(rows)} rows: {record['who']} {record['options']}: "
+                f"{np.mean(record['steps_ms']):.2f} ms (mean of {len(record['steps_ms'])})",
+                flush=True,
+            )
     del runs
     gc.collect()
     return records
@@ -143,10 +155,14 @@ def interleaved(backend, plan, table, batches, steps, max_seconds, with_state=Tr
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default=None, help="table rows (default 1M; quick: 20k)")
-    ap.add_argument("--big", default=None, help="TensorFlow's larger table (default 10M; quick: 200k; 0: none)")
+    ap.add_argument(
+        "--big", default=None, help="TensorFlow's larger table (default 10M; quick: 200k; 0: none)"
+    )
     ap.add_argument("--dim", type=int, default=None)
     ap.add_argument("--ids", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 48)")
+    ap.add_argument(
+        "--steps", type=int, default=None, help="timed steps per configuration (default 48)"
+    )
     ap.add_argument("--max-seconds", type=float, default=None)
     ap.add_argument("--no-peers", action="store_true", help="ours only")
     ap.add_argument("--quick", action="store_true", help="small tables, for smoke tests")
@@ -173,12 +189,16 @@ def main(argv=None):
         # (No state_bytes here: it builds a second optimizer.)
         table = np.random.default_rng(1).standard_normal((big, dim), dtype=np.float32)
         batches = bea.make_id_batches(big, n_ids, 4, dim)
-        records += interleaved(backend, [("ours", "use_ema")], table, batches, steps, max_seconds, with_state=False)
+        records += interleaved(
+            backend, [("ours", "use_ema")], table, batches, steps, max_seconds, with_state=False
+        )
         del table, batches
         gc.collect()
     table = np.random.default_rng(1).standard_normal((rows, dim), dtype=np.float32)
     batches = bea.make_id_batches(rows, n_ids, 4, dim)
-    plan = [("ours", o) for o in OPTIONS] + ([] if args.no_peers else [("keras", o) for o in KERAS_OPTIONS])
+    plan = [("ours", o) for o in OPTIONS] + (
+        [] if args.no_peers else [("keras", o) for o in KERAS_OPTIONS]
+    )
     records += interleaved(backend, plan, table, batches, steps, max_seconds)
     del table
     gc.collect()
@@ -187,7 +207,17 @@ def main(argv=None):
 
 def report(backend, rows, big, records, args, machine):
     def get(who, options, size=rows):
-        return next((r for r in records if r["who"] == who and r["options"] == options and r["rows"] == size and "error" not in r), None)
+        return next(
+            (
+                r
+                for r in records
+                if r["who"] == who
+                and r["options"] == options
+                and r["rows"] == size
+                and "error" not in r
+            ),
+            None,
+        )
 
     def ms(rec):
         # Mean over whole accumulation windows: the update step and the micro-steps each count once.
@@ -198,19 +228,29 @@ def report(backend, rows, big, records, args, machine):
     table_rows = []
     for options in OPTIONS:
         ours, peer = get("ours", options), get("keras", options)
-        table_rows.append([
-            options,
-            bc.fmt(ms(ours), ".2f"),
-            bc.fmt(ms(peer), ".2f") if options in KERAS_OPTIONS else "n/a",
-            bc.fmt(ms(ours) / ms(plain), ".2f") if ours and plain else "-",
-            bc.fmt(ms(ours) / ms(peer), ".3f") if ours and peer else "-",
-            bc.fmt(ours["state_bytes"] / 2**20, ".0f") if ours else "-",
-            bc.fmt(ours["state_bytes"] / full_state, ".3f") if ours and full_state else "-",
-        ])
+        table_rows.append(
+            [
+                options,
+                bc.fmt(ms(ours), ".2f"),
+                bc.fmt(ms(peer), ".2f") if options in KERAS_OPTIONS else "n/a",
+                bc.fmt(ms(ours) / ms(plain), ".2f") if ours and plain else "-",
+                bc.fmt(ms(ours) / ms(peer), ".3f") if ours and peer else "-",
+                bc.fmt(ours["state_bytes"] / 2**20, ".0f") if ours else "-",
+                bc.fmt(ours["state_bytes"] / full_state, ".3f") if ours and full_state else "-",
+            ]
+        )
     print()
     bc.print_table(
         f"EmbeddingAdam options on {backend}, {bea.size_label(rows)} rows: step time, ms (mean of whole windows)",
-        ["option", "ours", "keras Adam", "ours / ours plain", "ours / keras", "state MB", "state / plain"],
+        [
+            "option",
+            "ours",
+            "keras Adam",
+            "ours / ours plain",
+            "ours / keras",
+            "state MB",
+            "state / plain",
+        ],
         table_rows,
     )
     targets = []
@@ -219,20 +259,46 @@ def report(backend, rows, big, records, args, machine):
             if options == "plain":
                 continue
             ours = get("ours", options)
-            targets.append(bc.target(f"{backend} ours {options} / ours plain @{bea.size_label(rows)}",
-                                     ms(ours) / ms(plain) if ours and plain else None, 1.5))
+            targets.append(
+                bc.target(
+                    f"{backend} ours {options} / ours plain @{bea.size_label(rows)}",
+                    ms(ours) / ms(plain) if ours and plain else None,
+                    1.5,
+                )
+            )
     if backend == "tensorflow" and big:
         a, b = get("ours", "use_ema", big), get("ours", "use_ema")
         growth = ms(a) / ms(b) if a and b else None
-        targets.append(bc.target(f"tensorflow ours use_ema time({bea.size_label(big)})/time({bea.size_label(rows)})", growth, 1.3))
+        targets.append(
+            bc.target(
+                f"tensorflow ours use_ema time({bea.size_label(big)})/time({bea.size_label(rows)})",
+                growth,
+                1.3,
+            )
+        )
     rowwise = get("ours", "rowwise")
-    targets.append(bc.target("rowwise state / full state", rowwise["state_bytes"] / full_state if rowwise and full_state else None, 0.52))
+    targets.append(
+        bc.target(
+            "rowwise state / full state",
+            rowwise["state_bytes"] / full_state if rowwise and full_state else None,
+            0.52,
+        )
+    )
     bc.print_targets(targets)
     errors = [r for r in records if "error" in r]
     for r in errors:
         print(f"ERROR {r['who']} {r['options']} @ {bea.size_label(r['rows'])}: {r['error']}")
-    bc.write_json(args.json, {"bench": "embedding_options", "backend": backend, "quick": args.quick, "machine": machine,
-                              "records": records, "targets": targets})
+    bc.write_json(
+        args.json,
+        {
+            "bench": "embedding_options",
+            "backend": backend,
+            "quick": args.quick,
+            "machine": machine,
+            "records": records,
+            "targets": targets,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -52,8 +52,10 @@ def worker(config: str, rows: int, steps: int, warmup: int) -> dict:
     import keras_tpu_optim as kto
 
     def bytes_of(variables):
-        return sum(int(np.prod(v.shape)) * np.dtype(keras.backend.standardize_dtype(v.dtype)).itemsize
-                   for v in variables)
+        return sum(
+            int(np.prod(v.shape)) * np.dtype(keras.backend.standardize_dtype(v.dtype)).itemsize
+            for v in variables
+        )
 
     bc._reset_hwm()
     before_model = bc.rss_bytes()
@@ -71,7 +73,10 @@ def worker(config: str, rows: int, steps: int, warmup: int) -> dict:
     creation_peak = (bc._hwm_bytes() or bc.rss_bytes()) - before_model - bytes_of(model.weights)
     rng = np.random.default_rng(0)
     batches = [
-        (rng.integers(0, rows, (BATCH, IDS_PER_EXAMPLE)).astype("int32"), rng.normal(size=(BATCH, 1)).astype("float32"))
+        (
+            rng.integers(0, rows, (BATCH, IDS_PER_EXAMPLE)).astype("int32"),
+            rng.normal(size=(BATCH, 1)).astype("float32"),
+        )
         for _ in range(8)
     ]
     position = [0]
@@ -85,7 +90,9 @@ def worker(config: str, rows: int, steps: int, warmup: int) -> dict:
     before_steps = bc.rss_bytes()
     timing = bc.time_steps(step, steps, warmup)
     # Beyond what the steps keep: the model optimizer's state, created at the first step.
-    steps_peak = (bc._hwm_bytes() or bc.rss_bytes()) - before_steps - bytes_of(model.optimizer.variables)
+    steps_peak = (
+        (bc._hwm_bytes() or bc.rss_bytes()) - before_steps - bytes_of(model.optimizer.variables)
+    )
     table_bytes = rows * DIM * 4
     return {
         "config": config,
@@ -103,8 +110,18 @@ def worker(config: str, rows: int, steps: int, warmup: int) -> dict:
 def run_worker(config: str, rows: int, args) -> dict | None:
     if args.in_process:
         return worker(config, rows, args.steps, args.warmup)
-    command = [sys.executable, os.path.abspath(__file__), "--worker", config, "--rows", str(rows),
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        config,
+        "--rows",
+        str(rows),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         print(f"{config} at {rows} rows failed:\n{done.stderr[-3000:]}", flush=True)
@@ -114,20 +131,38 @@ def run_worker(config: str, rows: int, args) -> dict | None:
 
 def report(backend: str, records: list) -> dict:
     by = {(r["config"], r["rows"]): r for r in records}
-    rows = [[r["config"], r["rows"], bc.fmt(r["median_ms"], ".2f"), bc.fmt(r["peak_beyond_state_mb"], ".0f"),
-             bc.fmt(r["peak_beyond_state_x_table"], ".3f"), bc.fmt(r["creation_peak_beyond_state_mb"], ".0f")]
-            for r in records]
-    bc.print_table(f"Recommender fit steps ({backend})",
-                   ["config", "rows", "step ms", "steps' peak MB", "x table", "creation peak MB"], rows)
-    small, large = sorted({r["rows"] for r in records if r["config"] == "layer"})[:2] if records else (None, None)
+    rows = [
+        [
+            r["config"],
+            r["rows"],
+            bc.fmt(r["median_ms"], ".2f"),
+            bc.fmt(r["peak_beyond_state_mb"], ".0f"),
+            bc.fmt(r["peak_beyond_state_x_table"], ".3f"),
+            bc.fmt(r["creation_peak_beyond_state_mb"], ".0f"),
+        ]
+        for r in records
+    ]
+    bc.print_table(
+        f"Recommender fit steps ({backend})",
+        ["config", "rows", "step ms", "steps' peak MB", "x table", "creation peak MB"],
+        rows,
+    )
+    small, large = (
+        sorted({r["rows"] for r in records if r["config"] == "layer"})[:2]
+        if records
+        else (None, None)
+    )
     layer_small, layer_large = by.get(("layer", small)), by.get(("layer", large))
     adam_small = by.get(("keras_adam", small))
     ratio = lambda a, b: None if a is None or b is None else a["median_ms"] / b["median_ms"]
     targets = [
         bc.target("layer time(10M) / time(1M)", ratio(layer_large, layer_small), 1.3),
         bc.target("layer / Keras's Adam at 1M", ratio(layer_small, adam_small), 0.05),
-        bc.target("layer steps' peak beyond the state / table bytes at 10M",
-                  None if layer_large is None else layer_large["peak_beyond_state_x_table"], 0.1),
+        bc.target(
+            "layer steps' peak beyond the state / table bytes at 10M",
+            None if layer_large is None else layer_large["peak_beyond_state_x_table"],
+            0.1,
+        ),
     ]
     bc.print_targets(targets)
     return {"records": records, "targets": targets}
@@ -139,8 +174,11 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--in-process", action="store_true",
-                    help="every configuration in this process, one after another (a smoke run: peaks not comparable)")
+    ap.add_argument(
+        "--in-process",
+        action="store_true",
+        help="every configuration in this process, one after another (a smoke run: peaks not comparable)",
+    )
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rows", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -156,10 +194,20 @@ def main(argv=None):
             record = run_worker(config, rows, args)
             if record is not None:
                 records.append(record)
-                print(f"{config} {rows}: {record['median_ms']:.2f} ms, steps' peak beyond the state "
-                      f"{record['peak_beyond_state_mb']:.0f} MB", flush=True)
-    payload = {"bench": "recommender", "backend": backend, "quick": args.quick, "machine": bc.machine_info(),
-               "steps": args.steps, "warmup": args.warmup, **report(backend, records)}
+                print(
+                    f"{config} {rows}: {record['median_ms']:.2f} ms, steps' peak beyond the state "
+                    f"{record['peak_beyond_state_mb']:.0f} MB",
+                    flush=True,
+                )
+    payload = {
+        "bench": "recommender",
+        "backend": backend,
+        "quick": args.quick,
+        "machine": bc.machine_info(),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        **report(backend, records),
+    }
     bc.write_json(args.json, payload)
     return 0 if len(records) == sum(len(sizes_of(c, args.quick)) for c in CONFIGS) else 1
 

@@ -94,7 +94,9 @@ class TorchOptimStep:
             p.grad = g
         self.opt = make_opt(self.params)
         self.apply = self.opt.step
-        self.step = torch.compile(self.opt.step, backend=COMPILE_BACKEND) if compiled else self.opt.step
+        self.step = (
+            torch.compile(self.opt.step, backend=COMPILE_BACKEND) if compiled else self.opt.step
+        )
 
 
 def count_ops(runner) -> int:
@@ -122,18 +124,27 @@ def adafactor_lineup(device):
     import keras_tpu_optim as kto
 
     def keras_step(make):
-        return lambda p, g, compiled=False, platform=None: KerasStep(make, p, _on(g, device), device, compiled, platform)
+        return lambda p, g, compiled=False, platform=None: KerasStep(
+            make, p, _on(g, device), device, compiled, platform
+        )
 
     def optim_step(make):
-        return lambda p, g, compiled=False, platform=None: TorchOptimStep(make, p, _on(g, device), device, compiled)
+        return lambda p, g, compiled=False, platform=None: TorchOptimStep(
+            make, p, _on(g, device), device, compiled
+        )
 
     return [
         (OURS_ADAFACTOR, keras_step(kto.Adafactor)),
         ("keras.optimizers.Adafactor", keras_step(keras.optimizers.Adafactor)),
         ("keras.optimizers.Adam", keras_step(keras.optimizers.Adam)),
-        ("torch.optim.Adafactor(foreach=True)",
-         optim_step(lambda ps: torch.optim.Adafactor(ps, lr=1e-3, foreach=True))),
-        ("torch.optim.Adam(foreach=True)", optim_step(lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=True))),
+        (
+            "torch.optim.Adafactor(foreach=True)",
+            optim_step(lambda ps: torch.optim.Adafactor(ps, lr=1e-3, foreach=True)),
+        ),
+        (
+            "torch.optim.Adam(foreach=True)",
+            optim_step(lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=True)),
+        ),
     ]
 
 
@@ -153,7 +164,11 @@ def embedding_gradients(tables, rows, kind, device, seed=0):
         ids = rng.integers(0, rows, EMBEDDING_IDS)
         values = rng.standard_normal((EMBEDDING_IDS, DIM), dtype=np.float32)
         if kind == "sparse":
-            out.append(torch.sparse_coo_tensor(torch.from_numpy(ids)[None], torch.from_numpy(values), (rows, DIM)).to(device))
+            out.append(
+                torch.sparse_coo_tensor(
+                    torch.from_numpy(ids)[None], torch.from_numpy(values), (rows, DIM)
+                ).to(device)
+            )
         else:
             dense = np.zeros((rows, DIM), np.float32)
             np.add.at(dense, ids, values)
@@ -167,13 +182,26 @@ def embedding_lineup(device, kind):
 
     import keras_tpu_optim as kto
 
-    ours = (OURS_EMBEDDING, lambda p, g, compiled=False: KerasStep(lambda: kto.EmbeddingAdam(1e-3), p, g, device, compiled))
+    ours = (
+        OURS_EMBEDDING,
+        lambda p, g, compiled=False: KerasStep(
+            lambda: kto.EmbeddingAdam(1e-3), p, g, device, compiled
+        ),
+    )
     if kind == "sparse":
-        peer = ("torch.optim.SparseAdam",
-                lambda p, g, compiled=False: TorchOptimStep(lambda ps: torch.optim.SparseAdam(ps, lr=1e-3), p, g, device))
+        peer = (
+            "torch.optim.SparseAdam",
+            lambda p, g, compiled=False: TorchOptimStep(
+                lambda ps: torch.optim.SparseAdam(ps, lr=1e-3), p, g, device
+            ),
+        )
     else:
-        peer = ("keras.optimizers.Adam",
-                lambda p, g, compiled=False: KerasStep(lambda: keras.optimizers.Adam(1e-3), p, g, device, compiled))
+        peer = (
+            "keras.optimizers.Adam",
+            lambda p, g, compiled=False: KerasStep(
+                lambda: keras.optimizers.Adam(1e-3), p, g, device, compiled
+            ),
+        )
     return [ours, peer]
 
 
@@ -189,7 +217,10 @@ def timed(runner, steps, sync) -> dict:
 def measure_counts(quick) -> list:
     records = []
     two_shapes = {f"{n} variables, 2 shapes": [(64, 32), (32,)] * (n // 2) for n in (10, 40)}
-    stacks = {**two_shapes, f"BERT-like ({len(stack_shapes(quick))} variables, 8 shapes)": stack_shapes(quick)}
+    stacks = {
+        **two_shapes,
+        f"BERT-like ({len(stack_shapes(quick))} variables, 8 shapes)": stack_shapes(quick),
+    }
     for config, shapes in stacks.items():
         params, grads = make_arrays(shapes)
         for name, make in adafactor_lineup("cpu"):
@@ -197,18 +228,36 @@ def measure_counts(quick) -> list:
             for platform in platforms:
                 label = name + {"gpu": " [GPU path]", "cpu": " [CPU path]", None: ""}[platform]
                 ops = count_ops(make(params, grads, platform=platform))
-                records.append({"section": "ops", "config": config, "optimizer": label, "ops": ops,
-                                "variables": len(shapes)})
+                records.append(
+                    {
+                        "section": "ops",
+                        "config": config,
+                        "optimizer": label,
+                        "ops": ops,
+                        "variables": len(shapes),
+                    }
+                )
                 print(f"{config:40s} {label:48s} {ops:6d} ops", flush=True)
     rows = 2000 if quick else EMBEDDING_ROWS
     for kind in ("dense", "sparse"):
         for tables in (1, 4):
-            table_np = [np.random.default_rng(t).standard_normal((rows, DIM), dtype=np.float32) for t in range(tables)]
+            table_np = [
+                np.random.default_rng(t).standard_normal((rows, DIM), dtype=np.float32)
+                for t in range(tables)
+            ]
             grads = embedding_gradients(tables, rows, kind, "cpu")
             for name, make in embedding_lineup("cpu", kind):
                 ops = count_ops(make(table_np, grads))
                 config = f"{tables} table(s) {rows}x{DIM}, {kind} gradient"
-                records.append({"section": "ops", "config": config, "optimizer": name, "ops": ops, "variables": tables})
+                records.append(
+                    {
+                        "section": "ops",
+                        "config": config,
+                        "optimizer": name,
+                        "ops": ops,
+                        "variables": tables,
+                    }
+                )
                 print(f"{config:40s} {name:48s} {ops:6d} ops", flush=True)
     return records
 
@@ -227,22 +276,44 @@ def measure_times(quick, steps, device="cpu", sync=lambda: None, lineup=None) ->
     for name, make in lineup or adafactor_lineup(device):
         if name == "torch.optim.Adam(foreach=True)":
             continue  # counted above; its step time is not an Adafactor comparison
-        for compiled in (False, True) if name == OURS_ADAFACTOR or not quick else (False,):  # quick: trace ours only
+        for compiled in (
+            (False, True) if name == OURS_ADAFACTOR or not quick else (False,)
+        ):  # quick: trace ours only
             result = timed(make(params, grads, compiled=compiled), steps, sync)
-            records.append({"section": "times", "config": config, "optimizer": name,
-                            "mode": "compiled" if compiled else "eager", **result})
-            print(f"{config:32s} {name:40s} {records[-1]['mode']:8s} {result['median_ms']:9.2f} ms "
-                  f"(first call {result['first_call_s']:.1f} s)", flush=True)
+            records.append(
+                {
+                    "section": "times",
+                    "config": config,
+                    "optimizer": name,
+                    "mode": "compiled" if compiled else "eager",
+                    **result,
+                }
+            )
+            print(
+                f"{config:32s} {name:40s} {records[-1]['mode']:8s} {result['median_ms']:9.2f} ms "
+                f"(first call {result['first_call_s']:.1f} s)",
+                flush=True,
+            )
     rows = 20_000 if quick else 1_000_000
     table_np = [np.random.default_rng(0).standard_normal((rows, DIM), dtype=np.float32)]
     grads = embedding_gradients(1, rows, "dense", device)
     for name, make in embedding_lineup(device, "dense"):
         for compiled in (False, True) if name == OURS_EMBEDDING or not quick else (False,):
             result = timed(make(table_np, grads, compiled=compiled), steps, sync)
-            records.append({"section": "times", "config": f"{bench_size(rows)} x {DIM} table, dense gradient",
-                            "optimizer": name, "mode": "compiled" if compiled else "eager", **result})
-            print(f"{records[-1]['config']:32s} {name:40s} {records[-1]['mode']:8s} {result['median_ms']:9.2f} ms "
-                  f"(first call {result['first_call_s']:.1f} s)", flush=True)
+            records.append(
+                {
+                    "section": "times",
+                    "config": f"{bench_size(rows)} x {DIM} table, dense gradient",
+                    "optimizer": name,
+                    "mode": "compiled" if compiled else "eager",
+                    **result,
+                }
+            )
+            print(
+                f"{records[-1]['config']:32s} {name:40s} {records[-1]['mode']:8s} {result['median_ms']:9.2f} ms "
+                f"(first call {result['first_call_s']:.1f} s)",
+                flush=True,
+            )
     return records
 
 
@@ -259,15 +330,29 @@ def measure_graphs(quick) -> list:
         runner = KerasStep(kto.Adafactor, params, _on(grads, "cpu"), "cpu", platform=platform)
         runner.apply()
         graphs, breaks = explain(runner)
-        records.append({"section": "graphs", "optimizer": f"{OURS_ADAFACTOR} [{platform.upper()} path]",
-                        "graphs": graphs, "breaks": breaks})
+        records.append(
+            {
+                "section": "graphs",
+                "optimizer": f"{OURS_ADAFACTOR} [{platform.upper()} path]",
+                "graphs": graphs,
+                "breaks": breaks,
+            }
+        )
     for kind in ("dense", "sparse"):
         table = [np.zeros((2000, DIM), np.float32)]
-        runner = embedding_lineup("cpu", kind)[0][1](table, embedding_gradients(1, 2000, kind, "cpu"))
+        runner = embedding_lineup("cpu", kind)[0][1](
+            table, embedding_gradients(1, 2000, kind, "cpu")
+        )
         runner.apply()
         graphs, breaks = explain(runner)
-        records.append({"section": "graphs", "optimizer": f"{OURS_EMBEDDING} [{kind} gradient]",
-                        "graphs": graphs, "breaks": breaks})
+        records.append(
+            {
+                "section": "graphs",
+                "optimizer": f"{OURS_EMBEDDING} [{kind} gradient]",
+                "graphs": graphs,
+                "breaks": breaks,
+            }
+        )
     for r in records:
         print(f"{r['optimizer']:48s} {r['graphs']} graph(s), {r['breaks']} break(s)", flush=True)
     return records
@@ -275,44 +360,72 @@ def measure_graphs(quick) -> list:
 
 def targets_of(records) -> list:
     def ops(config_start, optimizer):
-        return next((r["ops"] for r in records if r["section"] == "ops" and r["config"].startswith(config_start)
-                     and r["optimizer"] == optimizer), None)
+        return next(
+            (
+                r["ops"]
+                for r in records
+                if r["section"] == "ops"
+                and r["config"].startswith(config_start)
+                and r["optimizer"] == optimizer
+            ),
+            None,
+        )
 
     gpu = OURS_ADAFACTOR + " [GPU path]"
     graphs = {r["optimizer"]: r["breaks"] for r in records if r["section"] == "graphs"}
     return [
         bc.target("ops, 40 variables in 2 shapes (GPU path)", ops("40 variables", gpu), 140),
         bc.target("ops, BERT-like stack (GPU path)", ops("BERT-like", gpu), 600),
-        bc.target("ops(40 variables) - ops(10 variables) (GPU path)",
-                  None if ops("40", gpu) is None else ops("40", gpu) - ops("10", gpu), 0),
+        bc.target(
+            "ops(40 variables) - ops(10 variables) (GPU path)",
+            None if ops("40", gpu) is None else ops("40", gpu) - ops("10", gpu),
+            0,
+        ),
         bc.target("graph breaks, Adafactor apply (GPU path)", graphs.get(gpu), 0),
-        bc.target("graph breaks, EmbeddingAdam apply (dense gradient)",
-                  graphs.get(OURS_EMBEDDING + " [dense gradient]"), 0),
+        bc.target(
+            "graph breaks, EmbeddingAdam apply (dense gradient)",
+            graphs.get(OURS_EMBEDDING + " [dense gradient]"),
+            0,
+        ),
     ]
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 10; 3 with --quick)")
+    ap.add_argument(
+        "--steps", type=int, default=None, help="timed steps (default 10; 3 with --quick)"
+    )
     ap.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import keras
 
     if keras.backend.backend() != "torch":
-        print(f"bench_torch_launches: torch only; this run is {keras.backend.backend()} (nothing measured)")
+        print(
+            f"bench_torch_launches: torch only; this run is {keras.backend.backend()} (nothing measured)"
+        )
         return 0
     steps = args.steps or (3 if args.quick else 10)
     global COMPILE_BACKEND
     if args.quick:
         COMPILE_BACKEND = "eager"
     machine = bc.machine_info()
-    records = measure_counts(args.quick) + measure_graphs(args.quick) + measure_times(args.quick, steps)
+    records = (
+        measure_counts(args.quick) + measure_graphs(args.quick) + measure_times(args.quick, steps)
+    )
     targets = targets_of(records)
     bc.print_targets(targets)
-    bc.write_json(args.json, {"machine": machine, "keras": keras.__version__, "steps": steps,
-                              "compile_backend": COMPILE_BACKEND,
-                              "records": records, "targets": targets})
+    bc.write_json(
+        args.json,
+        {
+            "machine": machine,
+            "keras": keras.__version__,
+            "steps": steps,
+            "compile_backend": COMPILE_BACKEND,
+            "records": records,
+            "targets": targets,
+        },
+    )
     return 0
 
 

@@ -54,7 +54,9 @@ def ratios_of(run):
         if bench == "adafactor":
             ours = r["results"].get("keras_tpu_optim.Adafactor")
             if ours:
-                out[(bench, backend, "keras_tpu_optim.Adafactor", "memory-bandwidth floor", None)] = ours["over_floor"]
+                out[
+                    (bench, backend, "keras_tpu_optim.Adafactor", "memory-bandwidth floor", None)
+                ] = ours["over_floor"]
     return out
 
 
@@ -99,9 +101,17 @@ def compare(old_dirs, new_dirs):
             change = "—"
             flag = "new only" if nv and not ov else "old only"
         bench, backend, ours, peer, rows_ = k
-        row = ["Adafactor" if bench == "adafactor" else "EmbeddingAdam", backend,
-               f"`{ours.replace('keras_tpu_optim.', '')}`", f"`{peer}`", _size(rows_) if rows_ else "",
-               _rng(ov), _rng(nv), change, flag]
+        row = [
+            "Adafactor" if bench == "adafactor" else "EmbeddingAdam",
+            backend,
+            f"`{ours.replace('keras_tpu_optim.', '')}`",
+            f"`{peer}`",
+            _size(rows_) if rows_ else "",
+            _rng(ov),
+            _rng(nv),
+            change,
+            flag,
+        ]
         rows.append(row)
         if flag.startswith("**"):
             flagged.append(row)
@@ -110,6 +120,7 @@ def compare(old_dirs, new_dirs):
 
 def memory_rows(old_dirs, new_dirs):
     """Adafactor step peak / warm-up RSS per optimizer, min-max over old and new runs (where measured)."""
+
     def collect(dirs):
         out = {}
         for d in dirs:
@@ -118,15 +129,25 @@ def memory_rows(old_dirs, new_dirs):
                     continue
                 for name, v in r["results"].items():
                     if "peak_delta_mb" in v:
-                        out.setdefault((backend, name), []).append((v["peak_delta_mb"], v["warmup_rss_growth_mb"]))
+                        out.setdefault((backend, name), []).append(
+                            (v["peak_delta_mb"], v["warmup_rss_growth_mb"])
+                        )
         return out
 
     o, n = collect(old_dirs), collect(new_dirs)
     rows = []
     for key in sorted(set(o) | set(n), key=lambda k: (BACKENDS.index(k[0]), k[1])):
         ov, nv = o.get(key, []), n.get(key, [])
-        rows.append([key[0], f"`{key[1]}`", _rng([a for a, _ in ov], ".0f"), _rng([a for a, _ in nv], ".0f"),
-                     _rng([b for _, b in ov], ".0f"), _rng([b for _, b in nv], ".0f")])
+        rows.append(
+            [
+                key[0],
+                f"`{key[1]}`",
+                _rng([a for a, _ in ov], ".0f"),
+                _rng([a for a, _ in nv], ".0f"),
+                _rng([b for _, b in ov], ".0f"),
+                _rng([b for _, b in nv], ".0f"),
+            ]
+        )
     return rows
 
 
@@ -157,8 +178,20 @@ def main(argv=None):
         f"new runs fall outside the old runs' spread widened by {round((TOL - 1) * 100)}% "
         "([old min / 1.1, old max × 1.1]).",
         "",
-        md_table(["bench", "backend", "ours", "peer", "rows", "old (min to max)", "new (min to max)", "new/old", "flag"],
-                 rows),
+        md_table(
+            [
+                "bench",
+                "backend",
+                "ours",
+                "peer",
+                "rows",
+                "old (min to max)",
+                "new (min to max)",
+                "new/old",
+                "flag",
+            ],
+            rows,
+        ),
         "",
     ]
     if flagged:
@@ -173,7 +206,17 @@ def main(argv=None):
             "Step peak: RSS above the RSS just before the steps, each optimizer alone after the timing. Warm-up: "
             "RSS the warm-up steps added (persistent buffers, state created on the first step, compiled code).",
             "",
-            md_table(["backend", "optimizer", "step peak old", "step peak new", "warm-up old", "warm-up new"], mem),
+            md_table(
+                [
+                    "backend",
+                    "optimizer",
+                    "step peak old",
+                    "step peak new",
+                    "warm-up old",
+                    "warm-up new",
+                ],
+                mem,
+            ),
             "",
         ]
     lines += ["## Load average (1/5/15 min) when each benchmark process started", ""]

@@ -65,8 +65,13 @@ class Budget:
 
 
 def emit(section, config, optimizer, ms, note=""):
-    print(ROW_PREFIX + json.dumps({"section": section, "config": config, "optimizer": optimizer, "ms": ms,
-                                   "note": note}), flush=True)
+    print(
+        ROW_PREFIX
+        + json.dumps(
+            {"section": section, "config": config, "optimizer": optimizer, "ms": ms, "note": note}
+        ),
+        flush=True,
+    )
 
 
 def measure(budget, section, config, name, make, steps, sync):
@@ -85,7 +90,13 @@ def measure(budget, section, config, name, make, steps, sync):
         result = bc.time_steps(step, steps, warmup=1, sync=sync)
         emit(section, config, name, result["median_ms"], f"first call {first:.1f} s")
     except Exception as e:  # noqa: BLE001  (a row that failed says why; the others still run)
-        emit(section, config, name, None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+        emit(
+            section,
+            config,
+            name,
+            None,
+            f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}",
+        )
 
 
 # ------------------------------------------------------------------------ JAX
@@ -103,7 +114,9 @@ def run_jax(dry_run, steps, budget):
 
     platform = jax.devices()[0].platform
     if not dry_run and platform != "gpu":
-        raise SystemExit(f"device_check: JAX sees no GPU (its devices are {platform}); use --dry-run on a CPU")
+        raise SystemExit(
+            f"device_check: JAX sees no GPU (its devices are {platform}); use --dry-run on a CPU"
+        )
 
     def sync_of(holder):
         return lambda: jax.block_until_ready(holder["state"])
@@ -128,8 +141,13 @@ def run_jax(dry_run, steps, budget):
     def optax_jit(params, grads):
         import optax
 
-        tx = optax.adafactor(learning_rate=1e-3, min_dim_size_to_factor=1, decay_rate=0.8, eps=1e-30,
-                             clipping_threshold=1.0)
+        tx = optax.adafactor(
+            learning_rate=1e-3,
+            min_dim_size_to_factor=1,
+            decay_rate=0.8,
+            eps=1e-30,
+            clipping_threshold=1.0,
+        )
         holder = {"state": ([jnp.asarray(p) for p in params], None)}
         holder["state"] = (holder["state"][0], tx.init(holder["state"][0]))
 
@@ -156,12 +174,28 @@ def run_jax(dry_run, steps, budget):
     shapes = stack_shapes(dry_run)
     params, grads_np = make_arrays(shapes)
     grads = [jnp.asarray(g) for g in grads_np]
-    config = f"BERT-like, {sum(int(np.prod(s)) for s in shapes) / 1e6:.1f}M params [JAX, jit, donated]"
-    row("Adafactor", config, "keras.optimizers.Adafactor", lambda: keras_jit(keras.optimizers.Adafactor, params, grads))
+    config = (
+        f"BERT-like, {sum(int(np.prod(s)) for s in shapes) / 1e6:.1f}M params [JAX, jit, donated]"
+    )
+    row(
+        "Adafactor",
+        config,
+        "keras.optimizers.Adafactor",
+        lambda: keras_jit(keras.optimizers.Adafactor, params, grads),
+    )
     row("Adafactor", config, "optax.adafactor", lambda: optax_jit(params, grads))
-    row("Adafactor", config, "keras_tpu_optim.Adafactor", lambda: keras_jit(kto.Adafactor, params, grads))
-    row("Adafactor", config, "keras_tpu_optim.Adafactor [CPU forms]",
-        lambda: keras_jit(kto.Adafactor, params, grads, platforms="cpu"))
+    row(
+        "Adafactor",
+        config,
+        "keras_tpu_optim.Adafactor",
+        lambda: keras_jit(kto.Adafactor, params, grads),
+    )
+    row(
+        "Adafactor",
+        config,
+        "keras_tpu_optim.Adafactor [CPU forms]",
+        lambda: keras_jit(kto.Adafactor, params, grads, platforms="cpu"),
+    )
     del grads
     for rows in (2_000, 20_000) if dry_run else (1_000_000, 10_000_000):
         table = [np.random.default_rng(0).standard_normal((rows, DIM), dtype=np.float32)]
@@ -169,14 +203,30 @@ def run_jax(dry_run, steps, budget):
         dense = [jnp.asarray(densify(rows, DIM, ids, values))]
         from jax.experimental import sparse as jax_sparse
 
-        bcoo = [jax_sparse.BCOO((jnp.asarray(values), jnp.asarray(ids, jnp.int32)[:, None]), shape=(rows, DIM))]
+        bcoo = [
+            jax_sparse.BCOO(
+                (jnp.asarray(values), jnp.asarray(ids, jnp.int32)[:, None]), shape=(rows, DIM)
+            )
+        ]
         config = f"{rows:,} x {DIM} table [JAX, jit, donated]"
-        row("EmbeddingAdam", config, "keras.optimizers.Adam [dense]",
-            lambda: keras_jit(lambda: keras.optimizers.Adam(1e-3), table, dense))
-        row("EmbeddingAdam", config, "keras_tpu_optim.EmbeddingAdam [dense]",
-            lambda: keras_jit(lambda: kto.EmbeddingAdam(1e-3), table, dense))
-        row("EmbeddingAdam", config, "keras_tpu_optim.EmbeddingAdam [BCOO]",
-            lambda: keras_jit(lambda: kto.EmbeddingAdam(1e-3), table, bcoo))
+        row(
+            "EmbeddingAdam",
+            config,
+            "keras.optimizers.Adam [dense]",
+            lambda: keras_jit(lambda: keras.optimizers.Adam(1e-3), table, dense),
+        )
+        row(
+            "EmbeddingAdam",
+            config,
+            "keras_tpu_optim.EmbeddingAdam [dense]",
+            lambda: keras_jit(lambda: kto.EmbeddingAdam(1e-3), table, dense),
+        )
+        row(
+            "EmbeddingAdam",
+            config,
+            "keras_tpu_optim.EmbeddingAdam [BCOO]",
+            lambda: keras_jit(lambda: kto.EmbeddingAdam(1e-3), table, bcoo),
+        )
         del dense, bcoo
 
 
@@ -200,7 +250,9 @@ def run_torch(dry_run, steps, budget):
     import bench_torch_launches
 
     if dry_run:
-        bench_torch_launches.COMPILE_BACKEND = "eager"  # traced as inductor would be, without its code generation
+        bench_torch_launches.COMPILE_BACKEND = (
+            "eager"  # traced as inductor would be, without its code generation
+        )
     device = "cpu" if dry_run else "cuda"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     grouped_rule = torch_backend.grouped_adafactor_applies
@@ -209,7 +261,9 @@ def run_torch(dry_run, steps, budget):
     def on(arrays):
         return [torch.from_numpy(a).to(device) for a in arrays]
 
-    def keras_row(section, config, name, make_opt, params, grads, compiled=False, platform=None, patch=None):
+    def keras_row(
+        section, config, name, make_opt, params, grads, compiled=False, platform=None, patch=None
+    ):
         def make():
             runner = KerasStep(make_opt, params, grads, device, compiled, platform)
             if patch is None:
@@ -238,36 +292,104 @@ def run_torch(dry_run, steps, budget):
     params, grads_np = make_arrays(shapes)
     grads = on(grads_np)
     config = f"BERT-like, {sum(int(np.prod(s)) for s in shapes) / 1e6:.1f}M params [torch]"
-    keras_row("Adafactor", config, "keras.optimizers.Adafactor", keras.optimizers.Adafactor, params, grads)
-    measure(budget, "Adafactor", config, "torch.optim.Adafactor(foreach=True)",
-            lambda: TorchOptimStep(lambda ps: torch.optim.Adafactor(ps, lr=1e-3, foreach=True), params, grads,
-                                   device).step, steps, sync)
+    keras_row(
+        "Adafactor", config, "keras.optimizers.Adafactor", keras.optimizers.Adafactor, params, grads
+    )
+    measure(
+        budget,
+        "Adafactor",
+        config,
+        "torch.optim.Adafactor(foreach=True)",
+        lambda: (
+            TorchOptimStep(
+                lambda ps: torch.optim.Adafactor(ps, lr=1e-3, foreach=True), params, grads, device
+            ).step
+        ),
+        steps,
+        sync,
+    )
     keras_row("Adafactor", config, "keras_tpu_optim.Adafactor", kto.Adafactor, params, grads)
-    keras_row("Adafactor", config, "keras_tpu_optim.Adafactor [torch.compile]", kto.Adafactor, params, grads,
-              compiled=True)
-    keras_row("Adafactor", config, "keras_tpu_optim.Adafactor [grouped off]", kto.Adafactor, params, grads,
-              patch=grouped_off)
-    keras_row("Adafactor", config, "keras_tpu_optim.Adafactor [CPU forms]", kto.Adafactor, params, grads,
-              platform="cpu")
+    keras_row(
+        "Adafactor",
+        config,
+        "keras_tpu_optim.Adafactor [torch.compile]",
+        kto.Adafactor,
+        params,
+        grads,
+        compiled=True,
+    )
+    keras_row(
+        "Adafactor",
+        config,
+        "keras_tpu_optim.Adafactor [grouped off]",
+        kto.Adafactor,
+        params,
+        grads,
+        patch=grouped_off,
+    )
+    keras_row(
+        "Adafactor",
+        config,
+        "keras_tpu_optim.Adafactor [CPU forms]",
+        kto.Adafactor,
+        params,
+        grads,
+        platform="cpu",
+    )
     del grads
     for rows in (2_000, 20_000) if dry_run else (1_000_000, 10_000_000):
         table = [np.random.default_rng(0).standard_normal((rows, DIM), dtype=np.float32)]
         ids, values = make_id_batches(rows, IDS, 1, DIM)[0]
-        dense = [torch.zeros(rows, DIM, device=device).index_add_(
-            0, torch.from_numpy(ids).to(device), torch.from_numpy(values).to(device))]
-        sparse = [torch.sparse_coo_tensor(torch.from_numpy(ids)[None], torch.from_numpy(values), (rows, DIM)).to(device)]
+        dense = [
+            torch.zeros(rows, DIM, device=device).index_add_(
+                0, torch.from_numpy(ids).to(device), torch.from_numpy(values).to(device)
+            )
+        ]
+        sparse = [
+            torch.sparse_coo_tensor(
+                torch.from_numpy(ids)[None], torch.from_numpy(values), (rows, DIM)
+            ).to(device)
+        ]
         config = f"{rows:,} x {DIM} table [torch]"
         adam, ours = (lambda: keras.optimizers.Adam(1e-3)), (lambda: kto.EmbeddingAdam(1e-3))
         keras_row("EmbeddingAdam", config, "keras.optimizers.Adam [dense]", adam, table, dense)
-        keras_row("EmbeddingAdam", config, "keras_tpu_optim.EmbeddingAdam [dense]", ours, table, dense)
-        keras_row("EmbeddingAdam", config, "keras_tpu_optim.EmbeddingAdam [dense, torch.compile]", ours, table,
-                  dense, compiled=True)
-        keras_row("EmbeddingAdam", config, "keras_tpu_optim.EmbeddingAdam [dense, CPU forms]", ours, table, dense,
-                  patch=cpu_norms)
-        measure(budget, "EmbeddingAdam", config, "torch.optim.SparseAdam [sparse]",
-                lambda: TorchOptimStep(lambda ps: torch.optim.SparseAdam(ps, lr=1e-3), table, sparse, device).step,
-                steps, sync)
-        keras_row("EmbeddingAdam", config, "keras_tpu_optim.EmbeddingAdam [sparse]", ours, table, sparse)
+        keras_row(
+            "EmbeddingAdam", config, "keras_tpu_optim.EmbeddingAdam [dense]", ours, table, dense
+        )
+        keras_row(
+            "EmbeddingAdam",
+            config,
+            "keras_tpu_optim.EmbeddingAdam [dense, torch.compile]",
+            ours,
+            table,
+            dense,
+            compiled=True,
+        )
+        keras_row(
+            "EmbeddingAdam",
+            config,
+            "keras_tpu_optim.EmbeddingAdam [dense, CPU forms]",
+            ours,
+            table,
+            dense,
+            patch=cpu_norms,
+        )
+        measure(
+            budget,
+            "EmbeddingAdam",
+            config,
+            "torch.optim.SparseAdam [sparse]",
+            lambda: (
+                TorchOptimStep(
+                    lambda ps: torch.optim.SparseAdam(ps, lr=1e-3), table, sparse, device
+                ).step
+            ),
+            steps,
+            sync,
+        )
+        keras_row(
+            "EmbeddingAdam", config, "keras_tpu_optim.EmbeddingAdam [sparse]", ours, table, sparse
+        )
         del dense, sparse
 
 
@@ -276,23 +398,37 @@ def run_torch(dry_run, steps, budget):
 
 def table_of(rows) -> str:
     """One markdown table: each row's ms and its ratio to the first measured row of its configuration."""
-    lines = ["| section | configuration | optimizer | step ms | / first peer | note |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| section | configuration | optimizer | step ms | / first peer | note |",
+        "|---|---|---|---|---|---|",
+    ]
     first = {}
     for r in rows:
         base = first.setdefault(r["config"], r["ms"])
         ratio = f"{r['ms'] / base:.3f}" if r["ms"] is not None and base else "n/a"
         ms = "n/a" if r["ms"] is None else f"{r['ms']:.3f}"
-        lines.append(f"| {r['section']} | {r['config']} | `{r['optimizer']}` | {ms} | {ratio} | {r['note']} |")
+        lines.append(
+            f"| {r['section']} | {r['config']} | `{r['optimizer']}` | {ms} | {ratio} | {r['note']} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="this machine's CPU, tiny sizes")
-    ap.add_argument("--budget-s", type=float, default=None, help="seconds for all the rows (default 220; dry run 50)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps a row (default 10; dry run 2)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="seconds for all the rows (default 220; dry run 50)",
+    )
+    ap.add_argument(
+        "--steps", type=int, default=None, help="timed steps a row (default 10; dry run 2)"
+    )
     ap.add_argument("--json", default=None)
-    ap.add_argument("--part", choices=BACKENDS, help=argparse.SUPPRESS)  # one backend, in this process
+    ap.add_argument(
+        "--part", choices=BACKENDS, help=argparse.SUPPRESS
+    )  # one backend, in this process
     args = ap.parse_args(argv)
     budget_s = args.budget_s or (50.0 if args.dry_run else 220.0)
     steps = args.steps or (2 if args.dry_run else 10)
@@ -304,9 +440,19 @@ def main(argv=None):
     start = time.monotonic()
     for index, backend in enumerate(BACKENDS):
         share = (budget_s - (time.monotonic() - start)) / (len(BACKENDS) - index)
-        cmd = [sys.executable, os.path.abspath(__file__), "--part", backend, "--budget-s", str(share),
-               "--steps", str(steps)] + (["--dry-run"] if args.dry_run else [])
-        env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--part",
+            backend,
+            "--budget-s",
+            str(share),
+            "--steps",
+            str(steps),
+        ] + (["--dry-run"] if args.dry_run else [])
+        env = dict(
+            os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1"
+        )
         if args.dry_run:
             env["JAX_PLATFORMS"] = "cpu"
         try:
@@ -318,10 +464,19 @@ def main(argv=None):
         else:
             out = done.stdout
             if done.returncode != 0:
-                failures.append(f"{backend}: exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
-        rows += [json.loads(line[len(ROW_PREFIX):]) for line in out.splitlines() if line.startswith(ROW_PREFIX)]
+                failures.append(
+                    f"{backend}: exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}"
+                )
+        rows += [
+            json.loads(line[len(ROW_PREFIX) :])
+            for line in out.splitlines()
+            if line.startswith(ROW_PREFIX)
+        ]
     print(table_of(rows))
-    print(f"\n{len(rows)} rows in {time.monotonic() - start:.0f} s" + ("" if not failures else f"; {failures}"))
+    print(
+        f"\n{len(rows)} rows in {time.monotonic() - start:.0f} s"
+        + ("" if not failures else f"; {failures}")
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "failures": failures}, f, indent=1)

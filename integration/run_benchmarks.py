@@ -27,14 +27,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 import bench_common as bc  # noqa: E402  (the script's folder is on sys.path)
 
 BACKENDS = ("tensorflow", "jax", "torch")
-BENCHES = ("adafactor", "embedding_adam", "embedding_options", "fit", "recommender", "torch_launches")
+BENCHES = (
+    "adafactor",
+    "embedding_adam",
+    "embedding_options",
+    "fit",
+    "recommender",
+    "torch_launches",
+)
 # Benchmarks of one backend's own concern: run on that backend alone.
 ONLY_ON = {"torch_launches": "torch"}
 PASS = {True: "PASS", False: "**MISS**", None: "n/a"}
 # JAX again with the process-wide tunings of `cpu_tuning.py` (the defaults change nothing process-wide):
 # (bench, the script's extra arguments, the JSON's name).
 TUNED = (
-    ("embedding_adam", ["--only", "[BCOO]", "--sizes", "1M,10M", "--interleave", "--huge-pages"], "embedding_adam_jax_tuned"),
+    (
+        "embedding_adam",
+        ["--only", "[BCOO]", "--sizes", "1M,10M", "--interleave", "--huge-pages"],
+        "embedding_adam_jax_tuned",
+    ),
     ("fit", ["--release-compile-heap", "--no-bf16"], "fit_jax_tuned"),
 )
 
@@ -44,8 +55,12 @@ def run_all(args, out_dir):
 
     The scripts' output is printed, not kept: the report is generated from the JSON files alone.
     """
-    runs = [(bench, backend, [], f"{bench}_{backend}") for backend in args.backends for bench in BENCHES
-            if ONLY_ON.get(bench, backend) == backend]
+    runs = [
+        (bench, backend, [], f"{bench}_{backend}")
+        for backend in args.backends
+        for bench in BENCHES
+        if ONLY_ON.get(bench, backend) == backend
+    ]
     if "jax" in args.backends and not args.quick:
         runs += [(bench, "jax", extra, name) for bench, extra, name in TUNED]
     status = {}
@@ -112,13 +127,24 @@ def write_markdown(results, status, path, quick):
         "describe the CPU paths.",
         "",
     ]
-    loads = sorted({tuple(round(x, 1) for x in r["machine"]["loadavg"]) for r in results.values()
-                    if r["machine"].get("loadavg")})
+    loads = sorted(
+        {
+            tuple(round(x, 1) for x in r["machine"]["loadavg"])
+            for r in results.values()
+            if r["machine"].get("loadavg")
+        }
+    )
     if loads:
-        lines += [f"Load average (1/5/15 min) when each run started: {', '.join(str(l) for l in loads)}.", ""]
+        lines += [
+            f"Load average (1/5/15 min) when each run started: {', '.join(str(l) for l in loads)}.",
+            "",
+        ]
     failed = [f"{b} on {k}" for (b, k), rc in status.items() if rc != 0]
     if failed:
-        lines += [f"**Runs that failed:** {', '.join(failed)} (their output went to the terminal of the run).", ""]
+        lines += [
+            f"**Runs that failed:** {', '.join(failed)} (their output went to the terminal of the run).",
+            "",
+        ]
 
     # ---------------------------------------------------------------- Adafactor
     af = [(k, results[("adafactor", k)]) for k in BACKENDS if ("adafactor", k) in results]
@@ -144,20 +170,68 @@ def write_markdown(results, status, path, quick):
         rows = []
         for k, r in af:
             for name, v in r["results"].items():
-                rows.append([k, f"`{name}`", _f(v["state_over_params"], ".4f"), _f(v["median_ms"], ".1f"),
-                             _f(v["over_floor"], ".2f"), _f(v.get("peak_delta_mb"), ".0f"),
-                             _f(v.get("warmup_rss_growth_mb"), ".0f")])
-            rows.append([k, "memory-bandwidth floor", "—", _f(r["floor_ms"], ".1f") +
-                         f" ({r['bandwidth']['gbps']:.0f} GB/s)", "1.00", "", ""])
-        lines += ["### Step time, state and memory", "",
-                  _md_table(["backend", "optimizer", "state / params", "step ms", "x floor", "step peak MB",
-                             "warm-up MB"], rows), ""]
-        rows = [[k, f"`{x['ours']}`", f"`{x['peer']}`", _f(x["time_ratio"]), _f(x["state_ratio"])]
-                for k, r in af for x in r["ratios"]]
-        lines += ["### Ratios, ours / peer", "",
-                  _md_table(["backend", "ours", "peer", "step time", "state"], rows), ""]
-        rows = [[k, t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]], t.get("note", "")]
-                for k, r in af for t in r["targets"]]
+                rows.append(
+                    [
+                        k,
+                        f"`{name}`",
+                        _f(v["state_over_params"], ".4f"),
+                        _f(v["median_ms"], ".1f"),
+                        _f(v["over_floor"], ".2f"),
+                        _f(v.get("peak_delta_mb"), ".0f"),
+                        _f(v.get("warmup_rss_growth_mb"), ".0f"),
+                    ]
+                )
+            rows.append(
+                [
+                    k,
+                    "memory-bandwidth floor",
+                    "—",
+                    _f(r["floor_ms"], ".1f") + f" ({r['bandwidth']['gbps']:.0f} GB/s)",
+                    "1.00",
+                    "",
+                    "",
+                ]
+            )
+        lines += [
+            "### Step time, state and memory",
+            "",
+            _md_table(
+                [
+                    "backend",
+                    "optimizer",
+                    "state / params",
+                    "step ms",
+                    "x floor",
+                    "step peak MB",
+                    "warm-up MB",
+                ],
+                rows,
+            ),
+            "",
+        ]
+        rows = [
+            [k, f"`{x['ours']}`", f"`{x['peer']}`", _f(x["time_ratio"]), _f(x["state_ratio"])]
+            for k, r in af
+            for x in r["ratios"]
+        ]
+        lines += [
+            "### Ratios, ours / peer",
+            "",
+            _md_table(["backend", "ours", "peer", "step time", "state"], rows),
+            "",
+        ]
+        rows = [
+            [
+                k,
+                t["target"],
+                _f(t["value"], ".4g"),
+                f"≤ {t['threshold']:g}",
+                PASS[t["pass"]],
+                t.get("note", ""),
+            ]
+            for k, r in af
+            for t in r["targets"]
+        ]
         header = ["backend", "target", "measured", "goal", "result", "note"]
         lines += ["### Targets", "", _md_table(header, rows), ""]
 
@@ -189,23 +263,66 @@ def write_markdown(results, status, path, quick):
                 return "—"
 
             lines += [f"### {k}", ""]
-            rows = [[f"`{n}`"] + [cell(n, s, "median_ms", ".2f") for s in sizes]
-                    + [cell(n, s, "peak_delta_mb", ".0f") for s in sizes] for n in names]
-            lines += [_md_table(["optimizer"] + [f"ms @{_size(s)}" for s in sizes]
-                                + [f"peak MB @{_size(s)}" for s in sizes], rows), ""]
+            rows = [
+                [f"`{n}`"]
+                + [cell(n, s, "median_ms", ".2f") for s in sizes]
+                + [cell(n, s, "peak_delta_mb", ".0f") for s in sizes]
+                for n in names
+            ]
+            lines += [
+                _md_table(
+                    ["optimizer"]
+                    + [f"ms @{_size(s)}" for s in sizes]
+                    + [f"peak MB @{_size(s)}" for s in sizes],
+                    rows,
+                ),
+                "",
+            ]
             pairs = list(dict.fromkeys((x["ours"], x["peer"]) for x in r["ratios"]))
-            rows = [[f"`{m}`", f"`{p}`"] + [_f(next((x["time_ratio"] for x in r["ratios"] if x["ours"] == m
-                                                    and x["peer"] == p and x["rows"] == s), None)) for s in sizes]
-                    for m, p in pairs]
-            lines += ["Ratios, ours / peer step time:", "",
-                      _md_table(["ours", "peer"] + [_size(s) for s in sizes], rows), ""]
+            rows = [
+                [f"`{m}`", f"`{p}`"]
+                + [
+                    _f(
+                        next(
+                            (
+                                x["time_ratio"]
+                                for x in r["ratios"]
+                                if x["ours"] == m and x["peer"] == p and x["rows"] == s
+                            ),
+                            None,
+                        )
+                    )
+                    for s in sizes
+                ]
+                for m, p in pairs
+            ]
+            lines += [
+                "Ratios, ours / peer step time:",
+                "",
+                _md_table(["ours", "peer"] + [_size(s) for s in sizes], rows),
+                "",
+            ]
             if r.get("skipped"):
                 lines += ["Skipped: " + "; ".join(s["reason"] for s in r["skipped"]), ""]
             errs = [x for x in r["records"] if "error" in x]
             if errs:
-                lines += ["Errors: " + "; ".join(f"`{x['name']}` @{_size(x['rows'])}: {x['error']}" for x in errs), ""]
-        rows = [[k, t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]], t.get("note", "")]
-                for k, r in ea for t in r["targets"]]
+                lines += [
+                    "Errors: "
+                    + "; ".join(f"`{x['name']}` @{_size(x['rows'])}: {x['error']}" for x in errs),
+                    "",
+                ]
+        rows = [
+            [
+                k,
+                t["target"],
+                _f(t["value"], ".4g"),
+                f"≤ {t['threshold']:g}",
+                PASS[t["pass"]],
+                t.get("note", ""),
+            ]
+            for k, r in ea
+            for t in r["targets"]
+        ]
         header = ["backend", "target", "measured", "goal", "result", "note"]
         lines += ["### Targets", "", _md_table(header, rows), ""]
 
@@ -234,17 +351,58 @@ def write_markdown(results, status, path, quick):
                     continue
                 sgd = b["medians"].get("keras.optimizers.SGD", {})
                 above = lambda key, m=m, sgd=sgd, b=b: (  # noqa: E731
-                    None if sgd.get(key) is None or not b["param_mb"] else (m[key] - sgd[key]) / b["param_mb"])
-                rows.append([k, f"`{name}`", _f(m["median_ms"], ".0f"), _f(m["peak_delta_mb"], ".0f"),
-                             _f(above("peak_delta_mb"), "+.2f"), _f(m.get("fit_peak_mb"), ".0f"),
-                             _f(above("fit_peak_mb"), "+.2f"), _f(m["eval_loss"], ".4f"),
-                             _f(m.get("xla_temp_mb"), ".1f")])
-        lines += [_md_table(["backend", "optimizer", "step ms", "step peak MB", "x params", "fit peak MB",
-                             "x params", "eval loss", "XLA temp MB"], rows), ""]
-        rows = [[k, t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]], t.get("note", "")]
-                for k, r in ft for t in r["backends"][k]["targets"]]
-        lines += ["### Targets", "",
-                  _md_table(["backend", "target", "measured", "goal", "result", "note"], rows), ""]
+                    None
+                    if sgd.get(key) is None or not b["param_mb"]
+                    else (m[key] - sgd[key]) / b["param_mb"]
+                )
+                rows.append(
+                    [
+                        k,
+                        f"`{name}`",
+                        _f(m["median_ms"], ".0f"),
+                        _f(m["peak_delta_mb"], ".0f"),
+                        _f(above("peak_delta_mb"), "+.2f"),
+                        _f(m.get("fit_peak_mb"), ".0f"),
+                        _f(above("fit_peak_mb"), "+.2f"),
+                        _f(m["eval_loss"], ".4f"),
+                        _f(m.get("xla_temp_mb"), ".1f"),
+                    ]
+                )
+        lines += [
+            _md_table(
+                [
+                    "backend",
+                    "optimizer",
+                    "step ms",
+                    "step peak MB",
+                    "x params",
+                    "fit peak MB",
+                    "x params",
+                    "eval loss",
+                    "XLA temp MB",
+                ],
+                rows,
+            ),
+            "",
+        ]
+        rows = [
+            [
+                k,
+                t["target"],
+                _f(t["value"], ".4g"),
+                f"≤ {t['threshold']:g}",
+                PASS[t["pass"]],
+                t.get("note", ""),
+            ]
+            for k, r in ft
+            for t in r["backends"][k]["targets"]
+        ]
+        lines += [
+            "### Targets",
+            "",
+            _md_table(["backend", "target", "measured", "goal", "result", "note"], rows),
+            "",
+        ]
 
     lines += _recommender_section(results)
     lines += _torch_launches_section(results)
@@ -256,7 +414,10 @@ def write_markdown(results, status, path, quick):
 
 def _tuned_section(results):
     """JAX with the process-wide tunings of `cpu_tuning.py`, beside the defaults of the sections above."""
-    tuned_steps, tuned_fit = results.get(("embedding_adam_jax_tuned", "jax")), results.get(("fit_jax_tuned", "jax"))
+    tuned_steps, tuned_fit = (
+        results.get(("embedding_adam_jax_tuned", "jax")),
+        results.get(("fit_jax_tuned", "jax")),
+    )
     if not tuned_steps and not tuned_fit:
         return []
     lines = [
@@ -273,17 +434,34 @@ def _tuned_section(results):
     for record in (tuned_steps or {}).get("records", []):
         if "error" in record:
             continue
-        default = next((x for x in (default_steps or {}).get("records", [])
-                        if x["name"] == record["name"] and x["rows"] == record["rows"] and "error" not in x), None)
-        rows.append([f"`{record['name']}` step ms @{_size(record['rows'])}", _f(default and default["median_ms"], ".2f"),
-                     _f(record["median_ms"], ".2f"),
-                     _f(record["median_ms"] / default["median_ms"] if default else None, ".2f")])
+        default = next(
+            (
+                x
+                for x in (default_steps or {}).get("records", [])
+                if x["name"] == record["name"] and x["rows"] == record["rows"] and "error" not in x
+            ),
+            None,
+        )
+        rows.append(
+            [
+                f"`{record['name']}` step ms @{_size(record['rows'])}",
+                _f(default and default["median_ms"], ".2f"),
+                _f(record["median_ms"], ".2f"),
+                _f(record["median_ms"] / default["median_ms"] if default else None, ".2f"),
+            ]
+        )
     default_fit = results.get(("fit", "jax"))
     default_above = _fit_peak_above_sgd(default_fit["backends"]["jax"]) if default_fit else {}
     if tuned_fit:
         for name, value in _fit_peak_above_sgd(tuned_fit["backends"]["jax"]).items():
-            rows.append([f"`{name}` fit peak over SGD's, x params", _f(default_above.get(name), "+.2f"),
-                         _f(value, "+.2f"), ""])
+            rows.append(
+                [
+                    f"`{name}` fit peak over SGD's, x params",
+                    _f(default_above.get(name), "+.2f"),
+                    _f(value, "+.2f"),
+                    "",
+                ]
+            )
     lines += [_md_table(["figure", "default", "with the tuning", "tuned / default"], rows), ""]
     return lines
 
@@ -292,8 +470,14 @@ def _fit_peak_above_sgd(backend_result):
     """{optimizer: (fit peak - SGD's) / parameter bytes} of one backend's `bench_fit.py` medians."""
     medians, param_mb = backend_result["medians"], backend_result["param_mb"]
     sgd = medians.get("keras.optimizers.SGD", {}).get("fit_peak_mb")
-    return {name: (m["fit_peak_mb"] - sgd) / param_mb for name, m in medians.items()
-            if name != "keras.optimizers.SGD" and sgd is not None and m.get("fit_peak_mb") is not None and param_mb}
+    return {
+        name: (m["fit_peak_mb"] - sgd) / param_mb
+        for name, m in medians.items()
+        if name != "keras.optimizers.SGD"
+        and sgd is not None
+        and m.get("fit_peak_mb") is not None
+        and param_mb
+    }
 
 
 def _recommender_section(results):
@@ -314,14 +498,45 @@ def _recommender_section(results):
         "`keras.layers.Embedding`).",
         "",
     ]
-    rows = [[k, f"`{x['config']}`", _size(x["rows"]), _f(x["median_ms"], ".2f"), _f(x["peak_beyond_state_mb"], ".0f"),
-             _f(x["peak_beyond_state_x_table"], ".3f"), _f(x.get("creation_peak_beyond_state_mb"), ".0f")]
-            for k, r in found for x in r["records"]]
-    lines += [_md_table(["backend", "configuration", "rows", "step ms", "steps' peak MB", "x table",
-                         "creation peak MB"], rows), ""]
-    rows = [[k, t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]]]
-            for k, r in found for t in r["targets"]]
-    lines += ["### Targets", "", _md_table(["backend", "target", "measured", "goal", "result"], rows), ""]
+    rows = [
+        [
+            k,
+            f"`{x['config']}`",
+            _size(x["rows"]),
+            _f(x["median_ms"], ".2f"),
+            _f(x["peak_beyond_state_mb"], ".0f"),
+            _f(x["peak_beyond_state_x_table"], ".3f"),
+            _f(x.get("creation_peak_beyond_state_mb"), ".0f"),
+        ]
+        for k, r in found
+        for x in r["records"]
+    ]
+    lines += [
+        _md_table(
+            [
+                "backend",
+                "configuration",
+                "rows",
+                "step ms",
+                "steps' peak MB",
+                "x table",
+                "creation peak MB",
+            ],
+            rows,
+        ),
+        "",
+    ]
+    rows = [
+        [k, t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]]]
+        for k, r in found
+        for t in r["targets"]
+    ]
+    lines += [
+        "### Targets",
+        "",
+        _md_table(["backend", "target", "measured", "goal", "result"], rows),
+        "",
+    ]
     return lines
 
 
@@ -343,56 +558,138 @@ def _torch_launches_section(results):
     configs = list(dict.fromkeys(r["config"] for r in records if r["section"] == "ops"))
     names = list(dict.fromkeys(r["optimizer"] for r in records if r["section"] == "ops"))
     ops = {(r["config"], r["optimizer"]): r["ops"] for r in records if r["section"] == "ops"}
-    for group, keep in (("Adafactor stacks", lambda c: "table" not in c), ("EmbeddingAdam tables", lambda c: "table" in c)):
+    for group, keep in (
+        ("Adafactor stacks", lambda c: "table" not in c),
+        ("EmbeddingAdam tables", lambda c: "table" in c),
+    ):
         chosen = [c for c in configs if keep(c)]
         columns = [n for n in names if any((c, n) in ops for c in chosen)]
         rows = [[f"`{n}`"] + [ops.get((c, n), "") for c in chosen] for n in columns]
         lines += [f"### Ops a step: {group}", "", _md_table(["optimizer"] + chosen, rows), ""]
-    graphs = [[f"`{r['optimizer']}`", r["graphs"], r["breaks"]] for r in records if r["section"] == "graphs"]
-    lines += ["### `torch._dynamo.explain` of one `apply`", "",
-              "A sparse COO gradient is not traced by `torch.compile` (torch's own limit): its step runs eagerly.", "",
-              _md_table(["optimizer", "graphs", "breaks"], graphs), ""]
+    graphs = [
+        [f"`{r['optimizer']}`", r["graphs"], r["breaks"]]
+        for r in records
+        if r["section"] == "graphs"
+    ]
+    lines += [
+        "### `torch._dynamo.explain` of one `apply`",
+        "",
+        "A sparse COO gradient is not traced by `torch.compile` (torch's own limit): its step runs eagerly.",
+        "",
+        _md_table(["optimizer", "graphs", "breaks"], graphs),
+        "",
+    ]
     times = [r for r in records if r["section"] == "times"]
     by = {(r["config"], r["optimizer"], r["mode"]): r for r in times}
     rows = []
     for config, name in dict.fromkeys((r["config"], r["optimizer"]) for r in times):
         eager, compiled = by.get((config, name, "eager")), by.get((config, name, "compiled"))
-        rows.append([config, f"`{name}`", _f(eager and eager["median_ms"], ".2f"), _f(compiled and compiled["median_ms"], ".2f"),
-                     _f(compiled and compiled["first_call_s"], ".0f"),
-                     _f(eager["median_ms"] / compiled["median_ms"] if eager and compiled else None, ".2f")])
-    lines += ["### Step time on this CPU, eager and `torch.compile`", "",
-              f"Median of {found['steps']} steps after the first (compiling) call and one more. The timed stack "
-              "is the BERT-like stack's embedding and first two layers at full width (compiling all twelve takes "
-              "minutes on this CPU).", "",
-              _md_table(["configuration", "optimizer", "eager ms", "compiled ms", "compile s", "eager / compiled"], rows), ""]
-    rows = [[t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]]] for t in found["targets"]]
+        rows.append(
+            [
+                config,
+                f"`{name}`",
+                _f(eager and eager["median_ms"], ".2f"),
+                _f(compiled and compiled["median_ms"], ".2f"),
+                _f(compiled and compiled["first_call_s"], ".0f"),
+                _f(
+                    eager["median_ms"] / compiled["median_ms"] if eager and compiled else None,
+                    ".2f",
+                ),
+            ]
+        )
+    lines += [
+        "### Step time on this CPU, eager and `torch.compile`",
+        "",
+        f"Median of {found['steps']} steps after the first (compiling) call and one more. The timed stack "
+        "is the BERT-like stack's embedding and first two layers at full width (compiling all twelve takes "
+        "minutes on this CPU).",
+        "",
+        _md_table(
+            [
+                "configuration",
+                "optimizer",
+                "eager ms",
+                "compiled ms",
+                "compile s",
+                "eager / compiled",
+            ],
+            rows,
+        ),
+        "",
+    ]
+    rows = [
+        [t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]]]
+        for t in found["targets"]
+    ]
     lines += ["### Targets", "", _md_table(["target", "measured", "goal", "result"], rows), ""]
     return lines
 
 
 def _options_section(results):
     """EmbeddingAdam's options (`bench_embedding_options.py`): ours with each option against our plain step."""
-    found = [(k, results[("embedding_options", k)]) for k in BACKENDS if ("embedding_options", k) in results]
+    found = [
+        (k, results[("embedding_options", k)])
+        for k in BACKENDS
+        if ("embedding_options", k) in results
+    ]
     if not found:
         return []
-    lines = ["## EmbeddingAdam options (EMA, gradient accumulation, row-wise `v`, per-row bias correction)", "",
-             "Configurations take turns, a window of 4 steps at a time; means over whole windows (ms).", ""]
+    lines = [
+        "## EmbeddingAdam options (EMA, gradient accumulation, row-wise `v`, per-row bias correction)",
+        "",
+        "Configurations take turns, a window of 4 steps at a time; means over whole windows (ms).",
+        "",
+    ]
     for backend, r in found:
         records = [x for x in r["records"] if "error" not in x and x.get("steps_ms")]
-        mean = {(x["who"], x["options"], x["rows"]): sum(x["steps_ms"]) / len(x["steps_ms"]) for x in records}
+        mean = {
+            (x["who"], x["options"], x["rows"]): sum(x["steps_ms"]) / len(x["steps_ms"])
+            for x in records
+        }
         rows = []
         for who, options, size in mean:
             plain = mean.get((who, "plain", size))
-            state = next((x.get("state_bytes") for x in records if (x["who"], x["options"], x["rows"]) == (who, options, size)), None)
-            rows.append([who, options, _size(size), _f(mean[(who, options, size)], ".2f"),
-                         _f(mean[(who, options, size)] / plain if plain else None, ".2f"),
-                         _f(state / 2**20 if state else None, ".0f")])
-        lines += [f"### {backend}", "", _md_table(["optimizer", "option", "rows", "ms", "/ plain", "state MB"], rows), ""]
+            state = next(
+                (
+                    x.get("state_bytes")
+                    for x in records
+                    if (x["who"], x["options"], x["rows"]) == (who, options, size)
+                ),
+                None,
+            )
+            rows.append(
+                [
+                    who,
+                    options,
+                    _size(size),
+                    _f(mean[(who, options, size)], ".2f"),
+                    _f(mean[(who, options, size)] / plain if plain else None, ".2f"),
+                    _f(state / 2**20 if state else None, ".0f"),
+                ]
+            )
+        lines += [
+            f"### {backend}",
+            "",
+            _md_table(["optimizer", "option", "rows", "ms", "/ plain", "state MB"], rows),
+            "",
+        ]
         errs = [x for x in r["records"] if "error" in x]
         if errs:
-            lines += ["Errors: " + "; ".join(f"{x['who']} {x['options']}: {x['error']}" for x in errs), ""]
-    rows = [[k, t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]]] for k, r in found for t in r["targets"]]
-    lines += ["### Targets", "", _md_table(["backend", "target", "measured", "goal", "result"], rows), ""]
+            lines += [
+                "Errors: " + "; ".join(f"{x['who']} {x['options']}: {x['error']}" for x in errs),
+                "",
+            ]
+    rows = [
+        [k, t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]]]
+        for k, r in found
+        for t in r["targets"]
+    ]
+    lines += [
+        "### Targets",
+        "",
+        _md_table(["backend", "target", "measured", "goal", "result"], rows),
+        "",
+    ]
     return lines
 
 
@@ -414,7 +711,9 @@ def write_chart(results, path):
         for x in r["ratios"]:
             if x["time_ratio"] is None:
                 continue
-            peer = x["peer"].replace("keras.optimizers.", "keras ").replace("torch.optim.", "torch ")
+            peer = (
+                x["peer"].replace("keras.optimizers.", "keras ").replace("torch.optim.", "torch ")
+            )
             labels.append(f"{k}\nvs {peer}")
             values.append(x["time_ratio"])
             colors.append(palette[k])
@@ -433,8 +732,10 @@ def write_chart(results, path):
         for i, v in enumerate(values):
             ax.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
     n_params = next((r["n_params"] for (b, _), r in results.items() if b == "adafactor"), 0)
-    ax.set_title(f"Adafactor step time, ours / peer ({n_params / 1e6:.1f}M params, log)\n"
-                 "targets: 0.6 keras, 0.8 optax, 1.0 torch, 2.0 floor")
+    ax.set_title(
+        f"Adafactor step time, ours / peer ({n_params / 1e6:.1f}M params, log)\n"
+        "targets: 0.6 keras, 0.8 optax, 1.0 torch, 2.0 floor"
+    )
     ax.set_ylabel("step-time ratio (lower is better)")
 
     # EmbeddingAdam: ours / each peer at each size, log scale.
@@ -449,8 +750,13 @@ def write_chart(results, path):
             if x["time_ratio"] is None or x["rows"] != ref:
                 continue
             m = x["ours"].replace("keras_tpu_optim.EmbeddingAdam", "ours")
-            p = (x["peer"].replace("keras.optimizers.", "").replace("torch.optim.", "")
-                 .replace(" (torch subprocess)", "").replace("jit_compile=", "xla="))
+            p = (
+                x["peer"]
+                .replace("keras.optimizers.", "")
+                .replace("torch.optim.", "")
+                .replace(" (torch subprocess)", "")
+                .replace("jit_compile=", "xla=")
+            )
             labels.append(f"{k} {_size(x['rows'])}\n{m} vs {p}")
             values.append(x["time_ratio"])
             colors.append(palette[k])
@@ -462,12 +768,16 @@ def write_chart(results, path):
         ax.axhline(1.0, color="k", lw=0.8)
         for y in (0.05, 0.1, 0.25):  # noqa: B007
             ax.axhline(y, color="gray", lw=0.8, ls=":")
-    ax.set_title("EmbeddingAdam step time, ours / peer, at 1M rows (log)\ntargets: TF 0.05 Adam & 1.0 SparseAdam, "
-                 "torch 0.1, JAX 0.25, JAX BCOO 0.05 (at 1M)")
+    ax.set_title(
+        "EmbeddingAdam step time, ours / peer, at 1M rows (log)\ntargets: TF 0.05 Adam & 1.0 SparseAdam, "
+        "torch 0.1, JAX 0.25, JAX BCOO 0.05 (at 1M)"
+    )
     ax.set_ylabel("step-time ratio (lower is better)")
     machine = next((r["machine"] for r in results.values()), bc.machine_info())
-    fig.suptitle(f"keras_tpu_optim benchmarks — {machine['date'][:10]}, {machine['cpu']}, {machine['cores']} cores",
-                 fontsize=10)
+    fig.suptitle(
+        f"keras_tpu_optim benchmarks — {machine['date'][:10]}, {machine['cpu']}, {machine['cores']} cores",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -484,12 +794,22 @@ def write_report(out_dir, status=None, quick=False):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke run); writes to results/quick/")
+    ap.add_argument(
+        "--quick", action="store_true", help="tiny sizes (smoke run); writes to results/quick/"
+    )
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--steps", type=int, default=None, help="passed to both scripts")
-    ap.add_argument("--sizes", default=None, help="table sizes for bench_embedding_adam.py, e.g. 100k,1M")
-    ap.add_argument("--out-dir", default=None, help="default integration/results (quick: integration/results/quick)")
-    ap.add_argument("--report-only", action="store_true", help="only rebuild the report from the JSON files")
+    ap.add_argument(
+        "--sizes", default=None, help="table sizes for bench_embedding_adam.py, e.g. 100k,1M"
+    )
+    ap.add_argument(
+        "--out-dir",
+        default=None,
+        help="default integration/results (quick: integration/results/quick)",
+    )
+    ap.add_argument(
+        "--report-only", action="store_true", help="only rebuild the report from the JSON files"
+    )
     args = ap.parse_args(argv)
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     out_dir = args.out_dir or os.path.join(HERE, "results", "quick" if args.quick else "")

@@ -34,7 +34,9 @@ def _run(script, tmp_path, capsys, *extra):
         return stdout, json.load(f)
 
 
-@pytest.mark.skipif(BACKEND not in ("tensorflow", "jax", "torch"), reason="benchmarks cover TF, JAX and torch")
+@pytest.mark.skipif(
+    BACKEND not in ("tensorflow", "jax", "torch"), reason="benchmarks cover TF, JAX and torch"
+)
 def test_bench_adafactor_quick(tmp_path, capsys):
     stdout, data = _run("bench_adafactor.py", tmp_path, capsys, "--steps", "2", "--warmup", "1")
     assert f"Adafactor on {BACKEND}" in stdout
@@ -43,13 +45,22 @@ def test_bench_adafactor_quick(tmp_path, capsys):
     assert data["backend"] == BACKEND
     assert "keras_tpu_optim.Adafactor" in data["results"]
     assert "keras.optimizers.Adafactor" in data["results"]
-    assert {t["target"] for t in data["targets"]} >= {"state/params", "step / keras.optimizers.Adafactor"}
-    assert all("peak_delta_mb" in v and "warmup_rss_growth_mb" in v for v in data["results"].values())
+    assert {t["target"] for t in data["targets"]} >= {
+        "state/params",
+        "step / keras.optimizers.Adafactor",
+    }
+    assert all(
+        "peak_delta_mb" in v and "warmup_rss_growth_mb" in v for v in data["results"].values()
+    )
 
 
-@pytest.mark.skipif(BACKEND not in ("tensorflow", "jax", "torch"), reason="benchmarks cover TF, JAX and torch")
+@pytest.mark.skipif(
+    BACKEND not in ("tensorflow", "jax", "torch"), reason="benchmarks cover TF, JAX and torch"
+)
 def test_bench_embedding_adam_quick(tmp_path, capsys):
-    stdout, data = _run("bench_embedding_adam.py", tmp_path, capsys, "--steps", "2", "--warmup", "1")
+    stdout, data = _run(
+        "bench_embedding_adam.py", tmp_path, capsys, "--steps", "2", "--warmup", "1"
+    )
     assert f"EmbeddingAdam on {BACKEND}" in stdout
     assert "Peak memory of the step" in stdout
     assert "Ratios, ours / peer" in stdout
@@ -57,7 +68,9 @@ def test_bench_embedding_adam_quick(tmp_path, capsys):
     assert data["backend"] == BACKEND
     names = {r["name"] for r in data["records"] if "error" not in r}
     assert any(n.startswith("keras_tpu_optim.EmbeddingAdam") for n in names), data["records"]
-    if BACKEND == "jax":  # this version accepts BCOO gradients: the BCOO configuration runs, with its targets
+    if (
+        BACKEND == "jax"
+    ):  # this version accepts BCOO gradients: the BCOO configuration runs, with its targets
         assert "keras_tpu_optim.EmbeddingAdam [BCOO]" in names, data["records"]
         assert any("[BCOO]" in t["target"] for t in data["targets"])
     # The report writer accepts what the scripts wrote.
@@ -74,8 +87,18 @@ def test_bench_embedding_adam_quick(tmp_path, capsys):
 
 @pytest.mark.skipif(BACKEND != "jax", reason="the BCOO configuration is JAX's")
 def test_bench_embedding_adam_interleaved_sizes_quick(tmp_path, capsys):
-    stdout, data = _run("bench_embedding_adam.py", tmp_path, capsys, "--steps", "3", "--warmup", "1", "--only", "[BCOO]",
-                        "--interleave")
+    stdout, data = _run(
+        "bench_embedding_adam.py",
+        tmp_path,
+        capsys,
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--only",
+        "[BCOO]",
+        "--interleave",
+    )
     assert "interleaved: 10k, 100k" in stdout
     records = [r for r in data["records"] if "error" not in r]
     assert sorted(r["rows"] for r in records) == [10_000, 100_000]
@@ -83,33 +106,61 @@ def test_bench_embedding_adam_interleaved_sizes_quick(tmp_path, capsys):
     assert "Growth with the table" in stdout
 
 
-@pytest.mark.skipif(BACKEND not in ("tensorflow", "jax", "torch"), reason="benchmarks cover TF, JAX and torch")
+@pytest.mark.skipif(
+    BACKEND not in ("tensorflow", "jax", "torch"), reason="benchmarks cover TF, JAX and torch"
+)
 def test_bench_embedding_options_quick(tmp_path, capsys):
-    stdout, data = _run("bench_embedding_options.py", tmp_path, capsys, "--steps", "8", "--big", "40k")
+    stdout, data = _run(
+        "bench_embedding_options.py", tmp_path, capsys, "--steps", "8", "--big", "40k"
+    )
     assert f"EmbeddingAdam options on {BACKEND}" in stdout
     assert "Targets" in stdout
-    measured = {(r["who"], r["options"]) for r in data["records"] if "error" not in r and r["steps_ms"]}
-    assert {("ours", "plain"), ("ours", "use_ema"), ("ours", "rowwise"), ("ours", "per_row")} <= measured, data["records"]
+    measured = {
+        (r["who"], r["options"]) for r in data["records"] if "error" not in r and r["steps_ms"]
+    }
+    assert {
+        ("ours", "plain"),
+        ("ours", "use_ema"),
+        ("ours", "rowwise"),
+        ("ours", "per_row"),
+    } <= measured, data["records"]
     assert ("keras", "use_ema") in measured
-    assert any(t["target"] == "rowwise state / full state" and t["value"] is not None for t in data["targets"])
+    assert any(
+        t["target"] == "rowwise state / full state" and t["value"] is not None
+        for t in data["targets"]
+    )
 
 
-@pytest.mark.skipif(BACKEND not in ("tensorflow", "jax", "torch"), reason="benchmarks cover TF, JAX and torch")
+@pytest.mark.skipif(
+    BACKEND not in ("tensorflow", "jax", "torch"), reason="benchmarks cover TF, JAX and torch"
+)
 def test_bench_fit_quick(tmp_path, capsys):
-    stdout, data = _run("bench_fit.py", tmp_path, capsys, "--steps", "2", "--warmup", "1", "--in-process")
+    stdout, data = _run(
+        "bench_fit.py", tmp_path, capsys, "--steps", "2", "--warmup", "1", "--in-process"
+    )
     assert f"fit on {BACKEND}" in stdout
     assert "Ratios, ours / peer" in stdout
     assert "Targets" in stdout
     assert "bfloat16 weights" in stdout
     assert data["backend"] == BACKEND
     runs = data["backends"][BACKEND]["runs"]
-    names = ("keras.optimizers.SGD", "keras_tpu_optim.Adafactor", "keras.optimizers.Adafactor", "keras.optimizers.Adam")
-    rounding = ("ours(lr=0.01), float32 weights", "ours(lr=0.01), bf16 weights",
-                "ours(lr=0.01, stochastic_rounding=True), bf16 weights")
+    names = (
+        "keras.optimizers.SGD",
+        "keras_tpu_optim.Adafactor",
+        "keras.optimizers.Adafactor",
+        "keras.optimizers.Adam",
+    )
+    rounding = (
+        "ours(lr=0.01), float32 weights",
+        "ours(lr=0.01), bf16 weights",
+        "ours(lr=0.01, stochastic_rounding=True), bf16 weights",
+    )
     for name in names + rounding:
         (record,) = runs[name]
         assert "error" not in record, record
-        assert record["peak_delta_mb"] >= 0 and record["fit_peak_mb"] >= 0 and record["median_ms"] > 0
+        assert (
+            record["peak_delta_mb"] >= 0 and record["fit_peak_mb"] >= 0 and record["median_ms"] > 0
+        )
     assert [runs[name][0]["dtype"] for name in rounding] == ["float32", "bfloat16", "bfloat16"]
     # The compiled step's temporaries, from XLA's buffer assignment: JAX only.
     assert all((runs[name][0]["xla_temp_mb"] is not None) == (BACKEND == "jax") for name in names)
@@ -124,13 +175,20 @@ def test_bench_fit_quick(tmp_path, capsys):
     assert "Peak memory of a `fit` step" in (tmp_path / "report" / "benchmarks.md").read_text()
 
 
-@pytest.mark.skipif(BACKEND not in ("tensorflow", "jax", "torch"), reason="benchmarks cover TF, JAX and torch")
+@pytest.mark.skipif(
+    BACKEND not in ("tensorflow", "jax", "torch"), reason="benchmarks cover TF, JAX and torch"
+)
 def test_bench_recommender_quick(tmp_path, capsys):
     stdout, data = _run("bench_recommender.py", tmp_path, capsys, "--steps", "2", "--in-process")
     assert f"Recommender fit steps ({BACKEND})" in stdout
     assert "Targets" in stdout
     measured = {(r["config"], r["rows"]) for r in data["records"]}
-    assert measured == {("layer", 1000), ("layer", 10_000), ("keras_adam", 1000), ("dense_path", 1000)}
+    assert measured == {
+        ("layer", 1000),
+        ("layer", 10_000),
+        ("keras_adam", 1000),
+        ("dense_path", 1000),
+    }
     assert all(t["value"] is not None for t in data["targets"]), data["targets"]
     (tmp_path / "report").mkdir()
     with open(tmp_path / "report" / f"recommender_{BACKEND}.json", "w") as f:
@@ -145,11 +203,18 @@ def test_bench_recommender_quick(tmp_path, capsys):
 def test_bench_torch_launches_quick(tmp_path, capsys):
     stdout, data = _run("bench_torch_launches.py", tmp_path, capsys, "--steps", "1")
     assert "Targets" in stdout
-    ops = {(r["config"].split(" (")[0], r["optimizer"]) for r in data["records"] if r["section"] == "ops"}
+    ops = {
+        (r["config"].split(" (")[0], r["optimizer"])
+        for r in data["records"]
+        if r["section"] == "ops"
+    }
     assert ("40 variables, 2 shapes", "keras_tpu_optim.Adafactor [GPU path]") in ops
     assert ("4 table(s) 2000x64, sparse gradient", "torch.optim.SparseAdam") in ops
     modes = {(r["optimizer"], r["mode"]) for r in data["records"] if r["section"] == "times"}
-    assert {("keras_tpu_optim.Adafactor", "compiled"), ("keras_tpu_optim.EmbeddingAdam", "compiled")} <= modes
+    assert {
+        ("keras_tpu_optim.Adafactor", "compiled"),
+        ("keras_tpu_optim.EmbeddingAdam", "compiled"),
+    } <= modes
     assert all(t["value"] is not None for t in data["targets"]), data["targets"]
     (tmp_path / "report").mkdir()
     with open(tmp_path / "report" / "torch_launches_torch.json", "w") as f:
@@ -157,22 +222,37 @@ def test_bench_torch_launches_quick(tmp_path, capsys):
     import run_benchmarks
 
     run_benchmarks.write_report(str(tmp_path / "report"), quick=True)
-    assert "ops a step (kernel launches on a GPU)" in (tmp_path / "report" / "benchmarks.md").read_text()
+    assert (
+        "ops a step (kernel launches on a GPU)"
+        in (tmp_path / "report" / "benchmarks.md").read_text()
+    )
 
 
-@pytest.mark.skipif(BACKEND != "torch", reason="device_check.py starts its own JAX and torch processes: run once, in the torch pass")
+@pytest.mark.skipif(
+    BACKEND != "torch",
+    reason="device_check.py starts its own JAX and torch processes: run once, in the torch pass",
+)
 def test_device_check_dry_run(tmp_path):
     import subprocess
 
     out = tmp_path / "rows.json"
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "device_check.py")
-    done = subprocess.run([sys.executable, script, "--dry-run", "--json", str(out)],
-                          capture_output=True, text=True, timeout=170)
+    done = subprocess.run(
+        [sys.executable, script, "--dry-run", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     measured = {(r["config"].split(" [")[-1], r["optimizer"]) for r in rows if r["ms"] is not None}
-    for part, name in [("JAX, jit, donated]", "optax.adafactor"), ("JAX, jit, donated]", "keras_tpu_optim.EmbeddingAdam [BCOO]"),
-                       ("torch]", "keras_tpu_optim.Adafactor [torch.compile]"), ("torch]", "keras_tpu_optim.Adafactor [grouped off]"),
-                       ("torch]", "keras_tpu_optim.EmbeddingAdam [dense, CPU forms]"), ("torch]", "torch.optim.SparseAdam [sparse]")]:
+    for part, name in [
+        ("JAX, jit, donated]", "optax.adafactor"),
+        ("JAX, jit, donated]", "keras_tpu_optim.EmbeddingAdam [BCOO]"),
+        ("torch]", "keras_tpu_optim.Adafactor [torch.compile]"),
+        ("torch]", "keras_tpu_optim.Adafactor [grouped off]"),
+        ("torch]", "keras_tpu_optim.EmbeddingAdam [dense, CPU forms]"),
+        ("torch]", "torch.optim.SparseAdam [sparse]"),
+    ]:
         assert (part, name) in measured, (part, name, rows)
     assert "| Adafactor |" in done.stdout and "| EmbeddingAdam |" in done.stdout

@@ -40,7 +40,8 @@ JOB_TIMEOUT = 400
 pytestmark = [
     pytest.mark.processes,
     pytest.mark.skipif(
-        BACKEND != "jax", reason=f"JAX multi-process training runs in the JAX pass; this pass is {BACKEND}"
+        BACKEND != "jax",
+        reason=f"JAX multi-process training runs in the JAX pass; this pass is {BACKEND}",
     ),
 ]
 
@@ -54,9 +55,15 @@ def _jobs(tmp_path, name, jobs):
         for job, num_processes, runs in jobs:
             (port,) = free_ports(1)
             spec = tmp_path / f"{job}.json"
-            spec.write_text(json.dumps({"port": port, "num_processes": num_processes, "runs": runs, "out": str(out)}))
+            spec.write_text(
+                json.dumps(
+                    {"port": port, "num_processes": num_processes, "runs": runs, "out": str(out)}
+                )
+            )
             devices = 8 // num_processes
-            env = child_env(KERAS_BACKEND="jax", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+            env = child_env(
+                KERAS_BACKEND="jax", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"
+            )
             for process_id in range(num_processes):
                 group.start(f"{job}_p{process_id}", [WORKER, str(spec), str(process_id)], env)
         group.wait(JOB_TIMEOUT)
@@ -71,13 +78,25 @@ def _held(out, name, process_id):
 def test_two_processes_fit_checkpoint_and_resume(tmp_path):
     checkpoint = {c: str(tmp_path / f"ckpt_{c}") for c in CONFIGS}
     train = [
-        {"op": "train", "name": f"{c}_2x4", "optimizer": c, "save_at": SAVE_AT, "checkpoint": checkpoint[c]}
+        {
+            "op": "train",
+            "name": f"{c}_2x4",
+            "optimizer": c,
+            "save_at": SAVE_AT,
+            "checkpoint": checkpoint[c],
+        }
         for c in CONFIGS
     ]
     reference = [{"op": "train", "name": f"{c}_1x8", "optimizer": c} for c in CONFIGS]
     out = _jobs(tmp_path, "train", [("train", 2, train), ("reference", 1, reference)])
     resume_runs = [
-        {"op": "resume", "name": f"{c}_resumed", "optimizer": c, "checkpoint": checkpoint[c], "resume_at": SAVE_AT}
+        {
+            "op": "resume",
+            "name": f"{c}_resumed",
+            "optimizer": c,
+            "checkpoint": checkpoint[c],
+            "resume_at": SAVE_AT,
+        }
         for c in CONFIGS
     ]
     # A checkpoint from a differently configured optimizer (no beta_1, EMA or
@@ -93,14 +112,25 @@ def test_two_processes_fit_checkpoint_and_resume(tmp_path):
     # The same checkpoint resumed with a schedule of the same value in place of the float
     # learning rate: the saved learning_rate has no variable here and is skipped.
     schedule_runs = {
-        job: {"op": "resume", "name": f"adafactor_schedule_resumed_{job}", "optimizer": "adafactor_constant_schedule",
-              "checkpoint": checkpoint["adafactor"], "resume_at": SAVE_AT}
+        job: {
+            "op": "resume",
+            "name": f"adafactor_schedule_resumed_{job}",
+            "optimizer": "adafactor_constant_schedule",
+            "checkpoint": checkpoint["adafactor"],
+            "resume_at": SAVE_AT,
+        }
         for job in ("2x4", "1x8")
     }
     resume_runs.append(schedule_runs["2x4"])
     resume_runs.append({"op": "save_keras", "name": "save_keras", "optimizer": "embedding_adam"})
     resume_1x8 = [
-        {"op": "resume", "name": f"{c}_resumed_1x8", "optimizer": c, "checkpoint": checkpoint[c], "resume_at": SAVE_AT}
+        {
+            "op": "resume",
+            "name": f"{c}_resumed_1x8",
+            "optimizer": c,
+            "checkpoint": checkpoint[c],
+            "resume_at": SAVE_AT,
+        }
         for c in CONFIGS
     ]
     resume_1x8.append(schedule_runs["1x8"])
@@ -123,18 +153,27 @@ def test_two_processes_fit_checkpoint_and_resume(tmp_path):
         # Each process holds half of the table's and the kernel's optimizer state.
         for process_id in range(2):
             held = _held(out, f"{c}_2x4", process_id)["held"]
-            split = {p: h for p, h in held.items() if "_embedding_embeddings" in p or "_dense_kernel" in p}
+            split = {
+                p: h
+                for p, h in held.items()
+                if "_embedding_embeddings" in p or "_dense_kernel" in p
+            }
             assert len(split) >= 4, held
             for path, (local, total, spec) in split.items():
                 if "_embedding_embeddings_column" in path or "_dense_kernel_row" in path:
                     continue  # Adafactor's statistics along the axis that is not split
-                if "_dense_kernel_average_steps" in path or "_dense_kernel_accumulation_window" in path:
+                if (
+                    "_dense_kernel_average_steps" in path
+                    or "_dense_kernel_accumulation_window" in path
+                ):
                     continue  # EmbeddingAdam's per-row int32 counters (EMA, accumulation): the kernel's rows are not split
                 assert local * 2 == total, (c, path, local, total, spec)
 
     weights, state = run_arrays(out, "adafactor_2x4")
     paths = _held(out, "adafactor_2x4", 0)["paths"]
-    kept = [i for i, path in enumerate(paths) if path != "adafactor/learning_rate"]  # a schedule has no variable
+    kept = [
+        i for i, path in enumerate(paths) if path != "adafactor/learning_rate"
+    ]  # a schedule has no variable
     paths, state = [paths[i] for i in kept], [state[i] for i in kept]
     for run in schedule_runs.values():
         got_weights, got_state = run_arrays(out, run["name"])
@@ -147,7 +186,9 @@ def test_two_processes_fit_checkpoint_and_resume(tmp_path):
         errors = _held(out, "save_keras", process_id)
         print(f"process {process_id}: model.save -> {errors['model.save']}")
         assert errors["model.save"], errors
-        assert "OrbaxCheckpoint" in errors["optimizer"] and "load_checkpoint" in errors["optimizer"], errors
+        assert (
+            "OrbaxCheckpoint" in errors["optimizer"] and "load_checkpoint" in errors["optimizer"]
+        ), errors
 
     wrong = [_held(out, "wrong_optimizer", p) for p in range(2)]
     for result in wrong:

@@ -32,7 +32,8 @@ TIME_STEPS = 30
 pytestmark = [
     pytest.mark.processes,
     pytest.mark.skipif(
-        BACKEND != "tensorflow", reason=f"MultiWorkerMirroredStrategy runs in the TensorFlow pass; this pass is {BACKEND}"
+        BACKEND != "tensorflow",
+        reason=f"MultiWorkerMirroredStrategy runs in the TensorFlow pass; this pass is {BACKEND}",
     ),
 ]
 
@@ -76,21 +77,36 @@ def test_two_workers_match_one_and_resume(tmp_path):
         tmp_path,
         "single",
         1,
-        [{"op": "train", "name": f"{c}_single", "optimizer": c, "save_at": SAVE_AT} for c in CONFIGS]
+        [
+            {"op": "train", "name": f"{c}_single", "optimizer": c, "save_at": SAVE_AT}
+            for c in CONFIGS
+        ]
         + [{"op": "time", "name": "time_single", "steps": TIME_STEPS}],
     )
     _job(
         tmp_path,
         "train",
         2,
-        [{"op": "train", "name": f"{c}_mwms", "optimizer": c, "save_at": SAVE_AT, "save": saved[c]} for c in CONFIGS]
+        [
+            {
+                "op": "train",
+                "name": f"{c}_mwms",
+                "optimizer": c,
+                "save_at": SAVE_AT,
+                "save": saved[c],
+            }
+            for c in CONFIGS
+        ]
         + [{"op": "time", "name": "time_mwms", "steps": TIME_STEPS}],
     )
     _job(
         tmp_path,
         "resume",
         2,
-        [{"op": "resume", "name": f"{c}_resumed", "load": saved[c], "resume_at": SAVE_AT} for c in CONFIGS],
+        [
+            {"op": "resume", "name": f"{c}_resumed", "load": saved[c], "resume_at": SAVE_AT}
+            for c in CONFIGS
+        ],
     )
 
     for c in CONFIGS:

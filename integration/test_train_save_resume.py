@@ -17,12 +17,21 @@ import numpy as np
 import pytest
 
 TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
-from _kto_models import compile_model, fit_steps, make_data, make_model, make_optimizer, optimizer_state, weights_of  # noqa: E402
+from _kto_models import (
+    compile_model,
+    fit_steps,
+    make_data,
+    make_model,
+    make_optimizer,
+    optimizer_state,
+    weights_of,
+)  # noqa: E402
 
 pytestmark = pytest.mark.processes  # it starts other processes
 
 BACKEND = keras.backend.backend()
 WORKER = os.path.join(TESTS, "_resume_worker.py")
+
 
 def _run_worker(backend, tasks, tmp_path, name):
     """A worker process on `backend`; its output goes to a log file (a pipe nobody reads could fill up)."""
@@ -30,7 +39,9 @@ def _run_worker(backend, tasks, tmp_path, name):
     job.write_text(json.dumps({"tasks": tasks}))
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
     log = open(tmp_path / f"{name}.log", "w")
-    process = subprocess.Popen([sys.executable, WORKER, str(job)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [sys.executable, WORKER, str(job)], env=env, stdout=log, stderr=subprocess.STDOUT
+    )
     log.close()
     process.log = tmp_path / f"{name}.log"
     return process
@@ -45,7 +56,9 @@ def _saved_by(process, path, timeout=400):
     deadline = time.monotonic() + timeout
     while not os.path.exists(path + ".done"):
         if process.poll() is not None and not os.path.exists(path + ".done"):
-            raise AssertionError(f"exited {process.returncode} before saving {path}:\n{_output(process)}")
+            raise AssertionError(
+                f"exited {process.returncode} before saving {path}:\n{_output(process)}"
+            )
         assert time.monotonic() < deadline, f"{path} was not saved within {timeout} s"
         time.sleep(0.2)
 
@@ -62,27 +75,35 @@ def _load_result(path):
     return weights, state
 
 
-
-
-
 RESUME_SCENARIOS = {
     # name: (model kind, optimizer spec, steps before the save); 3 steps with
     # accumulation over 2 means the save holds one accumulated micro-step.
     "adafactor_schedule_momentum_accumulation_mid": (
         "mlp",
-        {"class": "Adafactor", "kwargs": {"beta_1": 0.9, "gradient_accumulation_steps": 2}, "schedule": 0.1},
+        {
+            "class": "Adafactor",
+            "kwargs": {"beta_1": 0.9, "gradient_accumulation_steps": 2},
+            "schedule": 0.1,
+        },
         3,
     ),
     "adafactor_ema": (
         "mlp",
-        {"class": "Adafactor", "kwargs": {"learning_rate": 0.1, "use_ema": True, "ema_overwrite_frequency": 2}},
+        {
+            "class": "Adafactor",
+            "kwargs": {"learning_rate": 0.1, "use_ema": True, "ema_overwrite_frequency": 2},
+        },
         3,
     ),
     "embedding_adam_schedule_ema_accumulation_mid": (
         "recommender",
         {
             "class": "EmbeddingAdam",
-            "kwargs": {"use_ema": True, "ema_overwrite_frequency": 2, "gradient_accumulation_steps": 2},
+            "kwargs": {
+                "use_ema": True,
+                "ema_overwrite_frequency": 2,
+                "gradient_accumulation_steps": 2,
+            },
             "schedule": 0.05,
         },
         3,
@@ -126,14 +147,19 @@ def test_exact_resume_in_a_fresh_process(tmp_path):
             np.testing.assert_array_equal(got, want, err_msg=name)
 
 
-@pytest.mark.skipif(BACKEND != "jax", reason="drives all three backends (subprocesses); runs once, under JAX")
+@pytest.mark.skipif(
+    BACKEND != "jax", reason="drives all three backends (subprocesses); runs once, under JAX"
+)
 def test_file_saved_on_one_backend_resumes_on_the_others(tmp_path):
     """Each backend resumes the files of the other two; each run is compared with
     the saving backend's own uninterrupted run. JAX (here) saves first; then a
     TensorFlow and a torch process, side by side, each resume JAX's files, save
     their own, and resume the other's once it is saved; JAX resumes both."""
     scenarios = {
-        "adafactor": ("mlp", {"class": "Adafactor", "kwargs": {"learning_rate": 0.1, "beta_1": 0.5}}),
+        "adafactor": (
+            "mlp",
+            {"class": "Adafactor", "kwargs": {"learning_rate": 0.1, "beta_1": 0.5}},
+        ),
         "embedding_adam": ("recommender", {"class": "EmbeddingAdam", "schedule": 0.05}),
         # The per-table slots of issue 12: rowwise velocities (rows,), int32 row_steps and
         # average_steps, the lazy EMA's averages.
@@ -142,7 +168,10 @@ def test_file_saved_on_one_backend_resumes_on_the_others(tmp_path):
             {
                 "class": "EmbeddingAdam",
                 "kwargs": {
-                    "learning_rate": 0.05, "second_moment": "rowwise", "bias_correction": "per_row", "use_ema": True,
+                    "learning_rate": 0.05,
+                    "second_moment": "rowwise",
+                    "bias_correction": "per_row",
+                    "use_ema": True,
                 },
             },
         ),
@@ -178,7 +207,9 @@ def test_file_saved_on_one_backend_resumes_on_the_others(tmp_path):
     for name, (kind, _) in scenarios.items():
         x, y = make_data(kind, (steps + more_steps) * batch_size, seed=5)
         np.savez(tmp_path / f"{name}.npz", x=x, y=y)
-        np.savez(tmp_path / f"{name}_rest.npz", x=x[steps * batch_size :], y=y[steps * batch_size :])
+        np.savez(
+            tmp_path / f"{name}_rest.npz", x=x[steps * batch_size :], y=y[steps * batch_size :]
+        )
 
     import _resume_worker
 
@@ -212,6 +243,6 @@ def test_file_saved_on_one_backend_resumes_on_the_others(tmp_path):
                 got_weights, got_state = _load_result(tmp_path / f"{name}_{source}_on_{target}.npz")
                 assert len(got_state) == len(want_state)
                 for got, want in zip(got_weights + got_state, want_weights + want_state):
-                    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=f"{name} {source}->{target}")
-
-
+                    np.testing.assert_allclose(
+                        got, want, rtol=1e-4, atol=1e-6, err_msg=f"{name} {source}->{target}"
+                    )

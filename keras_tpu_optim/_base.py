@@ -55,7 +55,9 @@ class OptimizerBase(keras.optimizers.Optimizer):
         _checks.check_base_arguments(**kwargs)
         _checks.check_layout_map(type(self), kwargs.get("name"))
         super().__init__(**kwargs)
-        self.skip_nonfinite_updates = _checks.check_bool("skip_nonfinite_updates", skip_nonfinite_updates)
+        self.skip_nonfinite_updates = _checks.check_bool(
+            "skip_nonfinite_updates", skip_nonfinite_updates
+        )
 
     def __setattr__(self, name, value):
         # A hyperparameter set after construction is checked as the constructor checks it and takes effect at
@@ -117,7 +119,8 @@ class OptimizerBase(keras.optimizers.Optimizer):
         _slots.record_keras_roles(self)
         self._platforms = [self._backend.platform_of(v) for v in var_list]
         self._states = [
-            None if _private.overwritten_with_gradient(self, v) else self._make_state(v) for v in var_list
+            None if _private.overwritten_with_gradient(self, v) else self._make_state(v)
+            for v in var_list
         ]
 
     @property
@@ -148,18 +151,27 @@ class OptimizerBase(keras.optimizers.Optimizer):
                 f"{type(self).__name__}.apply() received an empty list of gradients; "
                 "pass one gradient per trainable variable."
             )
-        variables = _private.trainable_variables(self) if trainable_variables is None else list(trainable_variables)
+        variables = (
+            _private.trainable_variables(self)
+            if trainable_variables is None
+            else list(trainable_variables)
+        )
         if len(variables) == len(grads):
             # Every kernel reads its shapes from the gradient: give it the variable's (checked).
             grads = [
-                None if g is None else self._backend.checked_gradient(g, v, functools.partial(self._mismatch, v))
+                None
+                if g is None
+                else self._backend.checked_gradient(g, v, functools.partial(self._mismatch, v))
                 for g, v in zip(grads, variables)
             ]
         self._check_learning_rate_is_scalar()
         if self.loss_scale_factor is not None:
             # Keras unscales with `g / scale`, which tf.IndexedSlices does not
             # support; unscale here, sparse gradients included, instead.
-            grads = [None if g is None else self._backend.unscale(g, self.loss_scale_factor) for g in grads]
+            grads = [
+                None if g is None else self._backend.unscale(g, self.loss_scale_factor)
+                for g in grads
+            ]
             loss_scale_factor, self.loss_scale_factor = self.loss_scale_factor, None
             try:
                 return self._apply_unscaled(grads, trainable_variables, variables)
@@ -183,7 +195,9 @@ class OptimizerBase(keras.optimizers.Optimizer):
             self.built = True
         finite = self._all_finite(grads)
         state = _private.trainable_variables(self) + list(self.variables)
-        self._backend.apply_if(finite, lambda: super(OptimizerBase, self).apply(grads, trainable_variables), state)
+        self._backend.apply_if(
+            finite, lambda: super(OptimizerBase, self).apply(grads, trainable_variables), state
+        )
         return None
 
     @property
@@ -193,11 +207,15 @@ class OptimizerBase(keras.optimizers.Optimizer):
 
     def _backend_apply_gradients(self, grads, trainable_variables):
         # Keras's hook (_private.ACCUMULATION_HOOK): the accumulate-or-update step and the EMA.
-        self._backend.apply_gradients(self, grads, trainable_variables, super()._backend_apply_gradients)
+        self._backend.apply_gradients(
+            self, grads, trainable_variables, super()._backend_apply_gradients
+        )
 
     def _all_finite(self, grads):
         """A scalar boolean tensor: every entry of every gradient is finite."""
-        checks = [ops.all(ops.isfinite(self._backend.gradient_values(g))) for g in grads if g is not None]
+        checks = [
+            ops.all(ops.isfinite(self._backend.gradient_values(g))) for g in grads if g is not None
+        ]
         if not checks:
             return ops.convert_to_tensor(True)
         return ops.all(ops.stack(checks))
@@ -291,7 +309,9 @@ class OptimizerBase(keras.optimizers.Optimizer):
     def load_own_variables(self, store):
         keys = set(store.keys())
         signature = (
-            _saving.decode(store[_saving.STATE_SIGNATURE_KEY]) if _saving.STATE_SIGNATURE_KEY in keys else None
+            _saving.decode(store[_saving.STATE_SIGNATURE_KEY])
+            if _saving.STATE_SIGNATURE_KEY in keys
+            else None
         )
         if signature is None:
             # Not our state (e.g. a model trained with keras.optimizers.Adam and
@@ -341,4 +361,3 @@ class OptimizerBase(keras.optimizers.Optimizer):
             variables[kept[current_position]].assign(store[str(saved_position)])
         if missing:
             self._fill_missing_state([variables[i] for i in missing])
-

@@ -11,7 +11,9 @@ import keras
 from keras_tpu_optim import _private
 
 
-def check_number(name: str, value, *, low=None, high=None, low_open=False, high_open=False, allow_none=False):
+def check_number(
+    name: str, value, *, low=None, high=None, low_open=False, high_open=False, allow_none=False
+):
     """Raise a ValueError naming `name` unless `value` is a finite number in range."""
     if value is None and allow_none:
         return value
@@ -105,8 +107,15 @@ def check_base_arguments(**keywords):
         check_number("clipvalue", keywords.get("clipvalue"), low=0, low_open=True, allow_none=True)
     check_bool("use_ema", keywords.get("use_ema", False))
     check_number("ema_momentum", keywords.get("ema_momentum", 0.99), low=0, high=1)
-    check_int("ema_overwrite_frequency", keywords.get("ema_overwrite_frequency"), low=1, allow_none=True)
-    check_int("gradient_accumulation_steps", keywords.get("gradient_accumulation_steps"), low=2, allow_none=True)
+    check_int(
+        "ema_overwrite_frequency", keywords.get("ema_overwrite_frequency"), low=1, allow_none=True
+    )
+    check_int(
+        "gradient_accumulation_steps",
+        keywords.get("gradient_accumulation_steps"),
+        low=2,
+        allow_none=True,
+    )
 
 
 def _current_layout_map():
@@ -163,7 +172,11 @@ def check_slot_layouts(optimizer_class, planned) -> None:
         requested = tuple(getattr(layouts[keys[0]], "axes", ()) or ())
         if requested == slot.axes:
             continue
-        rank = "" if len(requested) == len(slot.shape) else f" (rank {len(requested)} for a rank-{len(slot.shape)} variable)"
+        rank = (
+            ""
+            if len(requested) == len(slot.shape)
+            else f" (rank {len(requested)} for a rank-{len(slot.shape)} variable)"
+        )
         raise ValueError(
             f"The current distribution's LayoutMap key {keys[0]!r} gives {optimizer_class.__name__}'s state "
             f"'{slot.path}' of shape {slot.shape} the layout {requested}{rank}, but it does not match the model "

@@ -26,11 +26,24 @@ def _parse(argv):
         prog="python -m keras_tpu_optim",
         description="Train a small LM and a recommender with keras_tpu_optim and Keras's optimizers, side by side.",
     )
-    parser.add_argument("--backend", choices=["tensorflow", "jax", "torch"], default=None,
-                        help="Keras backend (default: KERAS_BACKEND, else Keras's default)")
-    parser.add_argument("--steps", type=int, default=None, help="training steps per optimizer (default 60; 3 with --quick)")
-    parser.add_argument("--out", default="keras_tpu_optim_demo.png", help="where to write the PNG figure")
-    parser.add_argument("--quick", action="store_true", help="tiny models and a few steps (what the tests run)")
+    parser.add_argument(
+        "--backend",
+        choices=["tensorflow", "jax", "torch"],
+        default=None,
+        help="Keras backend (default: KERAS_BACKEND, else Keras's default)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="training steps per optimizer (default 60; 3 with --quick)",
+    )
+    parser.add_argument(
+        "--out", default="keras_tpu_optim_demo.png", help="where to write the PNG figure"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny models and a few steps (what the tests run)"
+    )
     return parser.parse_args(argv)
 
 
@@ -45,7 +58,6 @@ class _StepTimer:
             def __init__(self):
                 super().__init__()
                 self.losses, self.seconds, self.elapsed = [], [], []
-
 
             def on_train_batch_begin(self, batch, logs=None):
                 self._start = time.perf_counter()
@@ -83,7 +95,9 @@ def _language_model(quick, steps):
 
     import keras_tpu_optim as kto
 
-    vocab, seq, width, heads, blocks, batch = (96, 16, 32, 2, 1, 8) if quick else (2000, 64, 128, 4, 2, 32)
+    vocab, seq, width, heads, blocks, batch = (
+        (96, 16, 32, 2, 1, 8) if quick else (2000, 64, 128, 4, 2, 32)
+    )
     rng = np.random.default_rng(0)
     # A random bigram language: each token has 4 likely successors, so there is something to learn.
     successors = rng.integers(0, vocab, size=(vocab, 4))
@@ -98,7 +112,9 @@ def _language_model(quick, steps):
         inputs = keras.Input((seq,), dtype="int32")
         x = keras.layers.Embedding(vocab, width)(inputs)
         for _ in range(blocks):
-            attended = keras.layers.MultiHeadAttention(heads, width // heads)(x, x, use_causal_mask=True)
+            attended = keras.layers.MultiHeadAttention(heads, width // heads)(
+                x, x, use_causal_mask=True
+            )
             x = keras.layers.LayerNormalization()(x + attended)
             hidden = keras.layers.Dense(4 * width, activation="gelu")(x)
             x = keras.layers.LayerNormalization()(x + keras.layers.Dense(width)(hidden))
@@ -112,8 +128,18 @@ def _language_model(quick, steps):
     ]:
         print(f"\n[LM] {label}")
         model, optimizer, timer = build(), make(), _StepTimer.make()
-        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        model.fit(inputs_np, targets_np, batch_size=batch, epochs=1, shuffle=False, callbacks=[timer], verbose=1)
+        model.compile(
+            optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
+        model.fit(
+            inputs_np,
+            targets_np,
+            batch_size=batch,
+            epochs=1,
+            shuffle=False,
+            callbacks=[timer],
+            verbose=1,
+        )
         params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
         results.append(
             dict(
@@ -157,16 +183,24 @@ def _recommender(quick, steps):
             u = keras.layers.Embedding(users, dim, name="user_table")(user)
             v = keras.layers.Embedding(items, dim, name="item_table")(item)
         else:
-            u = kto.layers.Embedding(users, dim, optimizer=table_optimizer(), name="user_table")(user)
-            v = kto.layers.Embedding(items, dim, optimizer=table_optimizer(), name="item_table")(item)
+            u = kto.layers.Embedding(users, dim, optimizer=table_optimizer(), name="user_table")(
+                user
+            )
+            v = kto.layers.Embedding(items, dim, optimizer=table_optimizer(), name="item_table")(
+                item
+            )
         logit = keras.layers.Dense(1)(keras.layers.Concatenate()([u, v, u * v]))
         return keras.Model({"user": user, "item": item}, logit, name="recommender")
 
-    touched = [len(np.unique(user_ids[i * batch:(i + 1) * batch])) for i in range(steps)]
+    touched = [len(np.unique(user_ids[i * batch : (i + 1) * batch])) for i in range(steps)]
     results = []
     for label, table_optimizer, make in [
         (LAYER, lambda: kto.EmbeddingAdam(0.01), lambda: keras.optimizers.Adam(0.01)),
-        (PER_ROW, lambda: kto.EmbeddingAdam(0.01, bias_correction="per_row"), lambda: keras.optimizers.Adam(0.01)),
+        (
+            PER_ROW,
+            lambda: kto.EmbeddingAdam(0.01, bias_correction="per_row"),
+            lambda: keras.optimizers.Adam(0.01),
+        ),
         ("keras_tpu_optim.EmbeddingAdam", None, lambda: kto.EmbeddingAdam(0.01)),
         ("keras.optimizers.Adam", None, lambda: keras.optimizers.Adam(0.01)),
     ]:
@@ -178,8 +212,13 @@ def _recommender(quick, steps):
             metrics=[keras.metrics.BinaryAccuracy(threshold=0.0)],
         )
         history = model.fit(
-            {"user": user_ids, "item": item_ids}, clicks,
-            batch_size=batch, epochs=1, shuffle=False, callbacks=[timer], verbose=1,
+            {"user": user_ids, "item": item_ids},
+            clicks,
+            batch_size=batch,
+            epochs=1,
+            shuffle=False,
+            callbacks=[timer],
+            verbose=1,
         )
         results.append(
             dict(
@@ -189,7 +228,9 @@ def _recommender(quick, steps):
                 final_loss=timer.losses[-1],
                 accuracy=float(history.history["binary_accuracy"][-1]),
                 step_ms=_median_step_ms(timer.seconds),
-                rows_updated=float(np.mean(touched)) if "keras_tpu_optim" in label else float(users),
+                rows_updated=float(np.mean(touched))
+                if "keras_tpu_optim" in label
+                else float(users),
             )
         )
     return results, users, touched
@@ -218,7 +259,13 @@ def _figure(path, lm, rec, backend):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"ours": "C0", "keras Adafactor": "C1", "keras Adam": "C2", _short(PER_ROW): "C3", _short(LAYER): "C4"}
+    colors = {
+        "ours": "C0",
+        "keras Adafactor": "C1",
+        "keras Adam": "C2",
+        _short(PER_ROW): "C3",
+        _short(LAYER): "C4",
+    }
     color = lambda label: colors.get(label, colors["ours"] if label.startswith("ours") else None)  # noqa: E731
     fig, axes = plt.subplots(2, 4, figsize=(21, 8))
     for r in lm:
@@ -243,9 +290,14 @@ def _figure(path, lm, rec, backend):
     axes[1, 2].set(title="Recommender: user-table rows updated per step", yscale="log")
     for row, results, name in ((0, lm, "Language model"), (1, rec, "Recommender")):
         for r in results:
-            axes[row, 3].plot(r["elapsed"], r["losses"], label=_short(r["label"]), color=color(_short(r["label"])))
-        axes[row, 3].set(title=f"{name}: loss against wall-clock time", xlabel="seconds after the first (compiling) step",
-                         ylabel="loss")
+            axes[row, 3].plot(
+                r["elapsed"], r["losses"], label=_short(r["label"]), color=color(_short(r["label"]))
+            )
+        axes[row, 3].set(
+            title=f"{name}: loss against wall-clock time",
+            xlabel="seconds after the first (compiling) step",
+            ylabel="loss",
+        )
         axes[row, 3].legend()
     for axis in (axes[1, 1], axes[1, 2]):
         axis.tick_params(axis="x", labelrotation=10, labelsize=8)
@@ -265,8 +317,11 @@ def main(argv=None) -> int:
         import subprocess
 
         argv = sys.argv[1:] if argv is None else list(argv)
-        child = subprocess.run([sys.executable, "-m", "keras_tpu_optim", *argv],
-                               env=dict(os.environ, KERAS_BACKEND=args.backend), check=False)
+        child = subprocess.run(
+            [sys.executable, "-m", "keras_tpu_optim", *argv],
+            env=dict(os.environ, KERAS_BACKEND=args.backend),
+            check=False,
+        )
         return child.returncode
 
     steps = args.steps or (3 if args.quick else 60)
@@ -280,29 +335,45 @@ def main(argv=None) -> int:
     rec, users, touched = _recommender(args.quick, steps)
 
     print("\nPart 1 - language model")
-    print(f"{'optimizer':<30} {'final loss':>10} {'state bytes':>13} {'state/params':>13} {'ms/step':>9}")
+    print(
+        f"{'optimizer':<30} {'final loss':>10} {'state bytes':>13} {'state/params':>13} {'ms/step':>9}"
+    )
     for r in lm:
-        print(f"{r['label']:<30} {r['final_loss']:>10.4f} {r['state_bytes']:>13,} "
-              f"{r['state_bytes'] / r['param_bytes']:>13.4f} {r['step_ms']:>9.1f}")
-    print(f"\nPart 2 - recommender, {users:,}-row user table; each step looked up "
-          f"{min(touched):,}-{max(touched):,} distinct users")
-    print(f"{'optimizer':<42} {'final loss':>10} {'accuracy':>9} {'rows updated/step':>18} {'ms/step':>9} {'train s':>8}")
+        print(
+            f"{r['label']:<30} {r['final_loss']:>10.4f} {r['state_bytes']:>13,} "
+            f"{r['state_bytes'] / r['param_bytes']:>13.4f} {r['step_ms']:>9.1f}"
+        )
+    print(
+        f"\nPart 2 - recommender, {users:,}-row user table; each step looked up "
+        f"{min(touched):,}-{max(touched):,} distinct users"
+    )
+    print(
+        f"{'optimizer':<42} {'final loss':>10} {'accuracy':>9} {'rows updated/step':>18} {'ms/step':>9} {'train s':>8}"
+    )
     for r in rec:
-        print(f"{r['label']:<42} {r['final_loss']:>10.4f} {r['accuracy']:>9.3f} "
-              f"{r['rows_updated']:>18,.0f} {r['step_ms']:>9.1f} {r['elapsed'][-1]:>8.2f}")
+        print(
+            f"{r['label']:<42} {r['final_loss']:>10.4f} {r['accuracy']:>9.3f} "
+            f"{r['rows_updated']:>18,.0f} {r['step_ms']:>9.1f} {r['elapsed'][-1]:>8.2f}"
+        )
     print("(train s: wall-clock seconds of the steps after the first, which compiles)")
-    print("(layers.Embedding: the tables trained by EmbeddingAdam in the lookup, the head by keras.optimizers.Adam;\n"
-          " keras_tpu_optim.EmbeddingAdam: Keras's tables trained by it as the model's optimizer)")
-    print(f"bias_correction='per_row' (each row's Adam bias correction counts that row's own updates): "
-          f"final loss {rec[1]['final_loss']:.4f} against {rec[0]['final_loss']:.4f} with the TPU's global "
-          f"correction and {rec[3]['final_loss']:.4f} with keras.optimizers.Adam.")
+    print(
+        "(layers.Embedding: the tables trained by EmbeddingAdam in the lookup, the head by keras.optimizers.Adam;\n"
+        " keras_tpu_optim.EmbeddingAdam: Keras's tables trained by it as the model's optimizer)"
+    )
+    print(
+        f"bias_correction='per_row' (each row's Adam bias correction counts that row's own updates): "
+        f"final loss {rec[1]['final_loss']:.4f} against {rec[0]['final_loss']:.4f} with the TPU's global "
+        f"correction and {rec[3]['final_loss']:.4f} with keras.optimizers.Adam."
+    )
     if backend == "tensorflow":
         # Both parts train Keras Embeddings, whose TF gradient is a tf.IndexedSlices with duplicate ids.
         print(TF_SPARSE_NOTE)
     layer, dense_path, keras_adam = rec[0]["step_ms"], rec[2]["step_ms"], rec[3]["step_ms"]
-    print(f"\nTables trained in the lookup, step time: {layer / keras_adam:.2f}x keras.optimizers.Adam "
-          f"({dense_path / keras_adam:.2f}x with EmbeddingAdam as the model's optimizer); "
-          f"Adafactor state: {lm[0]['state_bytes'] / lm[1]['state_bytes']:.3f}x keras.optimizers.Adafactor")
+    print(
+        f"\nTables trained in the lookup, step time: {layer / keras_adam:.2f}x keras.optimizers.Adam "
+        f"({dense_path / keras_adam:.2f}x with EmbeddingAdam as the model's optimizer); "
+        f"Adafactor state: {lm[0]['state_bytes'] / lm[1]['state_bytes']:.3f}x keras.optimizers.Adafactor"
+    )
 
     out = os.path.abspath(args.out)
     os.makedirs(os.path.dirname(out), exist_ok=True)

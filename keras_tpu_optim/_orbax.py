@@ -28,7 +28,9 @@ def _ocp():
 
         ocp = orbax.checkpoint.v1  # the API Keras's OrbaxCheckpoint writes with
     except (ImportError, AttributeError) as error:  # pragma: no cover - orbax is a Keras extra
-        raise ImportError("load_checkpoint needs the 'orbax-checkpoint' package (pip install orbax-checkpoint).") from error
+        raise ImportError(
+            "load_checkpoint needs the 'orbax-checkpoint' package (pip install orbax-checkpoint)."
+        ) from error
     return ocp
 
 
@@ -37,7 +39,9 @@ def _latest_step(directory: str) -> tuple[str, int]:
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         raise ValueError(f"No Orbax checkpoint at {directory!r}: not a directory.")
-    if not any(d.isdigit() and os.path.isdir(os.path.join(directory, d)) for d in os.listdir(directory)):
+    if not any(
+        d.isdigit() and os.path.isdir(os.path.join(directory, d)) for d in os.listdir(directory)
+    ):
         raise ValueError(
             f"No Orbax checkpoint steps in {directory!r}: pass the directory given to "
             "keras.callbacks.OrbaxCheckpoint (its latest step is restored)."
@@ -61,7 +65,11 @@ def _flatten(tree, prefix="") -> dict:
 def _saved_optimizer_config(root: str, step) -> dict | None:
     """The saving optimizer's config, from the checkpoint's model config (for the message only)."""
     try:
-        loaded = _ocp().training.Checkpointer(directory=root).load_checkpointables(step, {"model_config": None})
+        loaded = (
+            _ocp()
+            .training.Checkpointer(directory=root)
+            .load_checkpointables(step, {"model_config": None})
+        )
         config = json.loads(loaded["model_config"]["config"])
         return config["compile_config"]["optimizer"]["config"]
     except Exception:
@@ -91,7 +99,9 @@ def _same(saved: tuple, variable) -> bool:
 
 
 def _describe(shape, dtype) -> str:
-    return f"shape {tuple(int(d) for d in shape)} and dtype {keras.backend.standardize_dtype(dtype)}"
+    return (
+        f"shape {tuple(int(d) for d in shape)} and dtype {keras.backend.standardize_dtype(dtype)}"
+    )
 
 
 def checkpoint_differences(model, metadata: dict) -> list[str]:
@@ -115,7 +125,9 @@ def checkpoint_differences(model, metadata: dict) -> list[str]:
                     current.pop(path, None)
         for path, variable in current.items():
             if path not in saved:
-                differences.append(f"{group}: this model has '{path}' with {_describe(variable.shape, variable.dtype)}, which the checkpoint lacks")
+                differences.append(
+                    f"{group}: this model has '{path}' with {_describe(variable.shape, variable.dtype)}, which the checkpoint lacks"
+                )
                 continue
             meta = _shape_and_dtype(saved[path])
             if not _same(meta, variable):
@@ -124,7 +136,9 @@ def checkpoint_differences(model, metadata: dict) -> list[str]:
                 )
         for path, meta in saved.items():
             if path not in current:
-                differences.append(f"{group}: the checkpoint has '{path}' with {_describe(*_shape_and_dtype(meta))}, which this model lacks")
+                differences.append(
+                    f"{group}: the checkpoint has '{path}' with {_describe(*_shape_and_dtype(meta))}, which this model lacks"
+                )
     return differences
 
 
@@ -143,7 +157,9 @@ def load_checkpoint(model, directory) -> None:
     """
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
-        raise ValueError("load_checkpoint restores a compiled model: call model.compile(optimizer=...) first.")
+        raise ValueError(
+            "load_checkpoint restores a compiled model: call model.compile(optimizer=...) first."
+        )
     root = os.fspath(directory)
     step_directory, step = _latest_step(root)
     if not optimizer.built:
@@ -152,17 +168,26 @@ def load_checkpoint(model, directory) -> None:
     differences = checkpoint_differences(model, metadata)
     if differences:
         shown = differences[:8]
-        more = f"\n  ... and {len(differences) - len(shown)} more" if len(differences) > len(shown) else ""
+        more = (
+            f"\n  ... and {len(differences) - len(shown)} more"
+            if len(differences) > len(shown)
+            else ""
+        )
         message = (
             f"Cannot restore the Orbax checkpoint {step_directory!r} into this model and its "
-            f"{type(optimizer).__name__} '{optimizer.name}': the saved variables differ:\n  " + "\n  ".join(shown) + more
+            f"{type(optimizer).__name__} '{optimizer.name}': the saved variables differ:\n  "
+            + "\n  ".join(shown)
+            + more
         )
         saved_config = _saved_optimizer_config(root, step)
         settings = _saving.config_differences(
-            {"config": saved_config}, {"config": json.loads(json.dumps(optimizer.get_config(), default=repr))}
+            {"config": saved_config},
+            {"config": json.loads(json.dumps(optimizer.get_config(), default=repr))},
         )
         if settings:
-            message += "\nThe saved optimizer was configured differently: " + "; ".join(settings) + "."
+            message += (
+                "\nThe saved optimizer was configured differently: " + "; ".join(settings) + "."
+            )
         message += (
             "\nRecreate the model and optimizer as they were saved (same layer names, same optimizer "
             "configuration) to resume. Nothing was loaded."
@@ -172,7 +197,9 @@ def load_checkpoint(model, directory) -> None:
         model.load_weights(root)  # Keras reads the latest step
         return
     try:
-        loaded = _ocp().load_checkpointables(step_directory, {"pytree": _abstract_tree(metadata, model.get_state_tree())})
+        loaded = _ocp().load_checkpointables(
+            step_directory, {"pytree": _abstract_tree(metadata, model.get_state_tree())}
+        )
     except Exception as error:
         raise ValueError(
             f"Cannot restore the Orbax checkpoint {step_directory!r} onto this process's devices "
@@ -199,10 +226,15 @@ def _abstract_tree(metadata: dict, state: dict) -> dict:
 
     def leaf(meta, ref):
         if isinstance(meta, dict):
-            return {key: leaf(value, (ref or {}).get(key) if isinstance(ref, dict) else None) for key, value in meta.items()}
+            return {
+                key: leaf(value, (ref or {}).get(key) if isinstance(ref, dict) else None)
+                for key, value in meta.items()
+            }
         if hasattr(meta, "shape") and hasattr(meta, "dtype"):
             sharding = getattr(ref, "sharding", None)
-            return jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=here if sharding is None else sharding)
+            return jax.ShapeDtypeStruct(
+                meta.shape, meta.dtype, sharding=here if sharding is None else sharding
+            )
         return None
 
     return {key: leaf(value, state.get(key)) for key, value in metadata.items()}

@@ -17,7 +17,9 @@ import keras
 
 def in_stateless_scope() -> bool:
     """Whether Keras is tracing a stateless call (JAX's `stateless_apply`): variables must not be written."""
-    from keras.src.backend.common.stateless_scope import in_stateless_scope as keras_in_stateless_scope
+    from keras.src.backend.common.stateless_scope import (
+        in_stateless_scope as keras_in_stateless_scope,
+    )
 
     return keras_in_stateless_scope()
 
@@ -99,7 +101,10 @@ def raw_iterations(optimizer):
 # Keras's EMA hooks, overridden by EmbeddingAdam (a lazy EMA of its tables): its
 # `apply` calls the first after every step's update, the second to install the
 # averages (on `ema_overwrite_frequency`, and from `finalize_variable_values`).
-EMA_HOOKS = ("_update_model_variables_moving_average", "_overwrite_model_variables_with_average_value")
+EMA_HOOKS = (
+    "_update_model_variables_moving_average",
+    "_overwrite_model_variables_with_average_value",
+)
 
 
 # Keras's step after unscaling, overridden by both optimizers (the backend's `apply_gradients`:

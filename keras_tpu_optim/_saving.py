@@ -66,7 +66,9 @@ def describe_state(optimizer) -> dict[str, Any]:
 
 
 def encode(signature: dict[str, Any]) -> np.ndarray:
-    return np.frombuffer(json.dumps(signature, sort_keys=True).encode("utf-8"), dtype=np.uint8).copy()
+    return np.frombuffer(
+        json.dumps(signature, sort_keys=True).encode("utf-8"), dtype=np.uint8
+    ).copy()
 
 
 def decode(stored) -> Optional[dict[str, Any]]:
@@ -114,23 +116,37 @@ def match_variables(saved: dict[str, Any], current: dict[str, Any]):
     """
     saved_entries = list(enumerate(saved["variables"]))
     current_entries = list(enumerate(current["variables"]))
-    saved_rest = [(i, e) for i, e in saved_entries if e["role"] != _LEARNING_RATE_ROLE or e["of"] is not None]
-    current_rest = [(i, e) for i, e in current_entries if e["role"] != _LEARNING_RATE_ROLE or e["of"] is not None]
+    saved_rest = [
+        (i, e) for i, e in saved_entries if e["role"] != _LEARNING_RATE_ROLE or e["of"] is not None
+    ]
+    current_rest = [
+        (i, e)
+        for i, e in current_entries
+        if e["role"] != _LEARNING_RATE_ROLE or e["of"] is not None
+    ]
     differences = []
     for position in range(max(len(saved_rest), len(current_rest))):
         saved_entry = saved_rest[position][1] if position < len(saved_rest) else None
         current_entry = current_rest[position][1] if position < len(current_rest) else None
         if saved_entry is None:
-            differences.append(f"this optimizer has {_entry_text(current_entry)}, which the saved state lacks")
+            differences.append(
+                f"this optimizer has {_entry_text(current_entry)}, which the saved state lacks"
+            )
         elif current_entry is None:
-            differences.append(f"the saved state has {_entry_text(saved_entry)}, which this optimizer lacks")
+            differences.append(
+                f"the saved state has {_entry_text(saved_entry)}, which this optimizer lacks"
+            )
         elif not _entries_fit(saved_entry, current_entry):
-            differences.append(f"saved {_entry_text(saved_entry)} where this optimizer has {_entry_text(current_entry)}")
+            differences.append(
+                f"saved {_entry_text(saved_entry)} where this optimizer has {_entry_text(current_entry)}"
+            )
     if differences:
         return None, differences
     pairs = [(s[0], c[0]) for s, c in zip(saved_rest, current_rest)]
     saved_lr = [i for i, e in saved_entries if e["role"] == _LEARNING_RATE_ROLE and e["of"] is None]
-    current_lr = [i for i, e in current_entries if e["role"] == _LEARNING_RATE_ROLE and e["of"] is None]
+    current_lr = [
+        i for i, e in current_entries if e["role"] == _LEARNING_RATE_ROLE and e["of"] is None
+    ]
     if saved_lr and current_lr:
         pairs.append((saved_lr[0], current_lr[0]))
     return pairs, []
@@ -145,13 +161,19 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
         if key == "name":
             continue
         if saved_config.get(key) != current_config.get(key):
-            differences.append(f"{key}={saved_config.get(key)!r} (saved) vs {current_config.get(key)!r} (here)")
+            differences.append(
+                f"{key}={saved_config.get(key)!r} (saved) vs {current_config.get(key)!r} (here)"
+            )
     return differences
 
 
-def mismatch_error(optimizer, saved: dict[str, Any], current: dict[str, Any], differences: list[str]) -> ValueError:
+def mismatch_error(
+    optimizer, saved: dict[str, Any], current: dict[str, Any], differences: list[str]
+) -> ValueError:
     shown = differences[:5]
-    more = f"\n  ... and {len(differences) - len(shown)} more" if len(differences) > len(shown) else ""
+    more = (
+        f"\n  ... and {len(differences) - len(shown)} more" if len(differences) > len(shown) else ""
+    )
     message = (
         f"Cannot load the saved optimizer state into {type(optimizer).__name__} '{optimizer.name}': "
         f"it was saved by a {type(optimizer).__name__} whose variables differ "

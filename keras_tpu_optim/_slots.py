@@ -92,9 +92,18 @@ def add_slot(optimizer, variable, slot_name: str, kept_axes=None, dtype: str = "
     plan = optimizer.__dict__.get(_PLAN_ATTRIBUTE)
     if plan is not None:
         layout_axes = getattr(layout, "axes", None)
-        plan.append(PlannedSlot(f"{optimizer.name}/{name}", shape, tuple(layout_axes or (None,) * len(shape)), variable_path(variable)))
+        plan.append(
+            PlannedSlot(
+                f"{optimizer.name}/{name}",
+                shape,
+                tuple(layout_axes or (None,) * len(shape)),
+                variable_path(variable),
+            )
+        )
         return None
-    slot = optimizer.add_variable(shape=shape, initializer="zeros", dtype=dtype, name=name, layout=layout)
+    slot = optimizer.add_variable(
+        shape=shape, initializer="zeros", dtype=dtype, name=name, layout=layout
+    )
     record_role(optimizer, slot, _private.variable_index(optimizer, variable), slot_name)
     return slot
 

@@ -191,7 +191,9 @@ class Adafactor(OptimizerBase):
         return self._options.to_config()
 
     def _decides_state(self, name, value):
-        return name in _STATE_DEFINING or (name == "beta_1" and (value is None) != (self.beta_1 is None))
+        return name in _STATE_DEFINING or (
+            name == "beta_1" and (value is None) != (self.beta_1 is None)
+        )
 
     def _make_state(self, variable) -> VariableState:
         """Row and column statistics (factored) or a full `v` (unfactored), and the momentum if `beta_1`.
@@ -204,14 +206,26 @@ class Adafactor(OptimizerBase):
         if axes is not None:
             a, b = axes
             slots = (
-                _slots.add_slot(self, variable, "row_second_moment", kept_axes=[i for i in range(rank) if i != b]),
-                _slots.add_slot(self, variable, "column_second_moment", kept_axes=[i for i in range(rank) if i != a]),
+                _slots.add_slot(
+                    self,
+                    variable,
+                    "row_second_moment",
+                    kept_axes=[i for i in range(rank) if i != b],
+                ),
+                _slots.add_slot(
+                    self,
+                    variable,
+                    "column_second_moment",
+                    kept_axes=[i for i in range(rank) if i != a],
+                ),
             )
         else:
             slots = (_slots.add_slot(self, variable, "second_moment"),)
         momentum = None
         if self._options.beta_1 is not None:
-            momentum = _slots.add_slot(self, variable, "momentum", dtype=self._options.momentum_dtype)
+            momentum = _slots.add_slot(
+                self, variable, "momentum", dtype=self._options.momentum_dtype
+            )
         return VariableState(slots, momentum)
 
     def update_step(self, gradient, variable, learning_rate):
@@ -220,7 +234,9 @@ class Adafactor(OptimizerBase):
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         # Keras's loop over `update_step`, which a backend may run for groups of variables at once.
-        self._backend.adafactor_steps(self, grads, trainable_variables, learning_rate, super()._backend_update_step)
+        self._backend.adafactor_steps(
+            self, grads, trainable_variables, learning_rate, super()._backend_update_step
+        )
 
     def get_config(self):
         config = super().get_config()

@@ -44,28 +44,68 @@ def _normalize_clipvalue(clipvalue):
     return (-value, value)
 
 
-_HYPERPARAMETERS = frozenset([
-    "beta_1", "beta_2", "epsilon", "lazy_adam", "sum_inside_sqrt", "use_gradient_accumulation", "clip_weight_min",
-    "clip_weight_max", "weight_decay_factor", "multiply_weight_decay_factor_by_learning_rate",
-    "slot_variable_creation_fn", "clipvalue", "low_dimensional_packing_status", "max_touched_rows", "second_moment",
-    "bias_correction",
-])
+_HYPERPARAMETERS = frozenset(
+    [
+        "beta_1",
+        "beta_2",
+        "epsilon",
+        "lazy_adam",
+        "sum_inside_sqrt",
+        "use_gradient_accumulation",
+        "clip_weight_min",
+        "clip_weight_max",
+        "weight_decay_factor",
+        "multiply_weight_decay_factor_by_learning_rate",
+        "slot_variable_creation_fn",
+        "clipvalue",
+        "low_dimensional_packing_status",
+        "max_touched_rows",
+        "second_moment",
+        "bias_correction",
+    ]
+)
 # What decides the optimizer's state (which slots, of which shapes): fixed once it is built.
 _STATE_DEFINING = frozenset(
-    ["lazy_adam", "use_gradient_accumulation", "slot_variable_creation_fn", "second_moment", "bias_correction"]
+    [
+        "lazy_adam",
+        "use_gradient_accumulation",
+        "slot_variable_creation_fn",
+        "second_moment",
+        "bias_correction",
+    ]
 )
 
 
 def _check_arguments(
-    *, beta_1, beta_2, epsilon, lazy_adam, sum_inside_sqrt, use_gradient_accumulation, clip_weight_min,
-    clip_weight_max, weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, slot_variable_creation_fn,
-    clipvalue, low_dimensional_packing_status, max_touched_rows, second_moment, bias_correction, weight_decay,
+    *,
+    beta_1,
+    beta_2,
+    epsilon,
+    lazy_adam,
+    sum_inside_sqrt,
+    use_gradient_accumulation,
+    clip_weight_min,
+    clip_weight_max,
+    weight_decay_factor,
+    multiply_weight_decay_factor_by_learning_rate,
+    slot_variable_creation_fn,
+    clipvalue,
+    low_dimensional_packing_status,
+    max_touched_rows,
+    second_moment,
+    bias_correction,
+    weight_decay,
 ):
     """Every argument check of `EmbeddingAdam`, in the constructor and when a hyperparameter is set."""
     _checks.check_number("beta_1", beta_1, low=0, high=1, high_open=True)
     _checks.check_number("beta_2", beta_2, low=0, high=1, high_open=True)
     _checks.check_number("epsilon", epsilon, low=0, low_open=True)
-    for flag in ("lazy_adam", "sum_inside_sqrt", "use_gradient_accumulation", "low_dimensional_packing_status"):
+    for flag in (
+        "lazy_adam",
+        "sum_inside_sqrt",
+        "use_gradient_accumulation",
+        "low_dimensional_packing_status",
+    ):
         _checks.check_bool(flag, locals()[flag])
     _checks.check_bool(
         "multiply_weight_decay_factor_by_learning_rate",
@@ -85,7 +125,11 @@ def _check_arguments(
         )
     _checks.check_number("clip_weight_min", clip_weight_min, allow_none=True)
     _checks.check_number("clip_weight_max", clip_weight_max, allow_none=True)
-    if clip_weight_min is not None and clip_weight_max is not None and clip_weight_min > clip_weight_max:
+    if (
+        clip_weight_min is not None
+        and clip_weight_max is not None
+        and clip_weight_min > clip_weight_max
+    ):
         raise ValueError(
             "Argument `clip_weight_min` must be <= `clip_weight_max`. Received: "
             f"clip_weight_min={clip_weight_min}, clip_weight_max={clip_weight_max}"
@@ -251,8 +295,10 @@ class EmbeddingAdam(OptimizerBase):
         **kwargs,
     ):
         # Validate everything before the base class creates variables.
-        _check_arguments(**{name: value for name, value in locals().items() if name in _HYPERPARAMETERS},
-                         weight_decay=weight_decay)
+        _check_arguments(
+            **{name: value for name, value in locals().items() if name in _HYPERPARAMETERS},
+            weight_decay=weight_decay,
+        )
         super().__init__(
             learning_rate=learning_rate,
             name=name,
@@ -269,7 +315,9 @@ class EmbeddingAdam(OptimizerBase):
             **kwargs,
         )
         # `clipvalue`: ours, applied per row after duplicates are summed (not Keras's, which it passed None).
-        self._set_hyperparameters({name: value for name, value in locals().items() if name in _HYPERPARAMETERS})
+        self._set_hyperparameters(
+            {name: value for name, value in locals().items() if name in _HYPERPARAMETERS}
+        )
 
     _HYPERPARAMETERS = _HYPERPARAMETERS
 
@@ -292,7 +340,9 @@ class EmbeddingAdam(OptimizerBase):
         """The lazily updated tables and their row slots (nothing when `lazy_adam=False`)."""
         if not self.lazy_adam:
             return [], []
-        tables = [v for v, state in zip(self._trainable_variables, self._states) if state is not None]
+        tables = [
+            v for v, state in zip(self._trainable_variables, self._states) if state is not None
+        ]
         return tables, [slot for v in tables for slot in self._row_slots(v)]
 
     @property
@@ -309,7 +359,8 @@ class EmbeddingAdam(OptimizerBase):
         """
         if self.slot_variable_creation_fn is None:
             slots = tuple(
-                _slots.add_slot(self, variable, name, kept_axes=self._kept_axes(variable, name)) for name in SLOT_NAMES
+                _slots.add_slot(self, variable, name, kept_axes=self._kept_axes(variable, name))
+                for name in SLOT_NAMES
             )
         else:
             slots = self._create_slots_with_user_fn(variable)
@@ -317,7 +368,9 @@ class EmbeddingAdam(OptimizerBase):
             slots += (_slots.add_slot(self, variable, "row_steps", kept_axes=(0,), dtype="int32"),)
         if self._lazy_ema:
             # The EMA updates each row's average reflects (see `_ema_step`).
-            slots += (_slots.add_slot(self, variable, "average_steps", kept_axes=(0,), dtype="int32"),)
+            slots += (
+                _slots.add_slot(self, variable, "average_steps", kept_axes=(0,), dtype="int32"),
+            )
         window = None
         if self._accumulates_rows:
             window = _slots.add_slot(self, variable, WINDOW_ROLE, kept_axes=(0,), dtype="int32")
@@ -394,9 +447,15 @@ class EmbeddingAdam(OptimizerBase):
 
             def caught_up(variable=variable, average=average, steps=steps):
                 value = adam_math.ema_catch_up(
-                    ops.cast(variable.value, "float32"), ops.cast(average.value, "float32"), steps.value, count, options
+                    ops.cast(variable.value, "float32"),
+                    ops.cast(average.value, "float32"),
+                    steps.value,
+                    count,
+                    options,
                 )
-                return ops.cast(value, average.dtype), ops.maximum(steps.value, ops.cast(count, steps.dtype))
+                return ops.cast(value, average.dtype), ops.maximum(
+                    steps.value, ops.cast(count, steps.dtype)
+                )
 
             if condition is None:
                 new_average, new_steps = caught_up()
@@ -427,7 +486,12 @@ class EmbeddingAdam(OptimizerBase):
             if average is not None and id(var) not in lazy:
                 not_first_step = ops.not_equal(self.iterations, 0)
                 momentum = ops.multiply(ops.cast(not_first_step, var.dtype), self.ema_momentum)
-                average.assign(ops.add(ops.multiply(momentum, average), ops.multiply(ops.subtract(1, momentum), var)))
+                average.assign(
+                    ops.add(
+                        ops.multiply(momentum, average),
+                        ops.multiply(ops.subtract(1, momentum), var),
+                    )
+                )
         if self.ema_overwrite_frequency:
             # Keras installs the averages after this step: bring every row up to date first.
             due = ops.equal((self.iterations + 1) % self.ema_overwrite_frequency, 0)
@@ -449,7 +513,9 @@ class EmbeddingAdam(OptimizerBase):
             else:
                 # State saved before the EMA was lazy: its averages were updated at every step.
                 count = ops.cast(_private.raw_iterations(self), "int32")
-                variable.assign(ops.zeros(variable.shape, variable.dtype) + ops.cast(count, variable.dtype))
+                variable.assign(
+                    ops.zeros(variable.shape, variable.dtype) + ops.cast(count, variable.dtype)
+                )
 
     def _derived_window(self, owner):
         """The window slot of a state saved without one (dense accumulation): the rows the accumulator holds.
@@ -507,8 +573,13 @@ class EmbeddingAdam(OptimizerBase):
                 `exclude_from_weight_decay`; None for a table that is not
                 excluded (the TPU export).
         """
-        decay, multiply = self.weight_decay_factor, bool(self.multiply_weight_decay_factor_by_learning_rate)
-        if self.weight_decay is not None and (variable is None or _private.uses_weight_decay(self, variable)):
+        decay, multiply = (
+            self.weight_decay_factor,
+            bool(self.multiply_weight_decay_factor_by_learning_rate),
+        )
+        if self.weight_decay is not None and (
+            variable is None or _private.uses_weight_decay(self, variable)
+        ):
             decay, multiply = self.weight_decay, True
         low, high = self._gradient_clip or (None, None)
         return adam_math.RowUpdateOptions(
@@ -566,7 +637,9 @@ class EmbeddingAdam(OptimizerBase):
                     "slot_variable_creation_fn", self.slot_variable_creation_fn
                 ),
                 "clipvalue": (
-                    list(self.clipvalue) if isinstance(self.clipvalue, (tuple, list)) else self.clipvalue
+                    list(self.clipvalue)
+                    if isinstance(self.clipvalue, (tuple, list))
+                    else self.clipvalue
                 ),
                 "low_dimensional_packing_status": self.low_dimensional_packing_status,
                 "max_touched_rows": self.max_touched_rows,
@@ -585,4 +658,3 @@ class EmbeddingAdam(OptimizerBase):
         if isinstance(config.get("clipvalue"), list):
             config["clipvalue"] = tuple(config["clipvalue"])
         return super().from_config(config, custom_objects=custom_objects)
-

@@ -36,7 +36,9 @@ def train(data, options):
     model = build_model(vocabulary, dim, data["ids"].shape[1])
     model.set_weights([data["embedding"], data["kernel"], data["bias"]])
     optimizer = kto.EmbeddingAdam(
-        learning_rate=keras.optimizers.schedules.ExponentialDecay(0.02, decay_steps=3, decay_rate=0.7),
+        learning_rate=keras.optimizers.schedules.ExponentialDecay(
+            0.02, decay_steps=3, decay_rate=0.7
+        ),
         clipvalue=(-0.05, None),
         weight_decay_factor=0.5,
         multiply_weight_decay_factor_by_learning_rate=True,
@@ -44,10 +46,21 @@ def train(data, options):
         **options,
     )
     model.compile(optimizer=optimizer, loss="mse")
-    model.fit(data["ids"], data["targets"], batch_size=STEPS_PER_EPOCH_BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    model.fit(
+        data["ids"],
+        data["targets"],
+        batch_size=STEPS_PER_EPOCH_BATCH,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+    )
     embedding, kernel, bias = model.get_weights()
-    return dict(embedding=embedding, kernel=kernel, bias=bias,
-                iterations=np.asarray(keras.ops.convert_to_numpy(optimizer.iterations)))
+    return dict(
+        embedding=embedding,
+        kernel=kernel,
+        bias=bias,
+        iterations=np.asarray(keras.ops.convert_to_numpy(optimizer.iterations)),
+    )
 
 
 def main(input_path, output_prefix, cases):

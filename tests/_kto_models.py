@@ -28,7 +28,9 @@ def transformer_model(dtype=None):
     attention = layers.MultiHeadAttention(num_heads=2, key_dim=4, dtype=dtype)(x, x)
     x = layers.LayerNormalization(dtype=dtype)(layers.Add(dtype=dtype)([x, attention]))
     hidden = layers.Dense(16, activation="relu", dtype=dtype)(x)
-    x = layers.LayerNormalization(dtype=dtype)(layers.Add(dtype=dtype)([x, layers.Dense(8, dtype=dtype)(hidden)]))
+    x = layers.LayerNormalization(dtype=dtype)(
+        layers.Add(dtype=dtype)([x, layers.Dense(8, dtype=dtype)(hidden)])
+    )
     x = layers.GlobalAveragePooling1D(dtype=dtype)(x)
     logits = layers.Dense(CLASSES, dtype=dtype)(x)
     logits = layers.Activation("linear", dtype="float32")(logits)
@@ -64,7 +66,9 @@ def recommender_data(n, seed=0, active_users=200):
     picked = rng.integers(0, active_users, size=n)
     items = rng.integers(0, ITEMS, size=n)
     x = np.stack([user_rows[picked], items], axis=1).astype("int32")
-    y = np.sum(true_users[picked] * true_items[items], axis=1, keepdims=True).astype("float32") / np.sqrt(DIM)
+    y = np.sum(true_users[picked] * true_items[items], axis=1, keepdims=True).astype(
+        "float32"
+    ) / np.sqrt(DIM)
     return x, y
 
 
@@ -85,7 +89,11 @@ def mlp_data(n, seed=0):
 
 MODELS = {
     "mlp": (mlp_model, mlp_data, "mse"),
-    "transformer": (transformer_model, transformer_data, "sparse_categorical_crossentropy_from_logits"),
+    "transformer": (
+        transformer_model,
+        transformer_data,
+        "sparse_categorical_crossentropy_from_logits",
+    ),
     "recommender": (recommender_model, recommender_data, "mse"),
 }
 
@@ -164,7 +172,10 @@ def gradient_fn(model, loss_fn):
         return jax.grad(batch_loss)(trainable)
 
     return lambda x, y: jax_gradients(
-        [v.value for v in model.trainable_variables], [v.value for v in model.non_trainable_variables], x, y
+        [v.value for v in model.trainable_variables],
+        [v.value for v in model.non_trainable_variables],
+        x,
+        y,
     )
 
 
@@ -205,13 +216,17 @@ def custom_training_loop(model, optimizer, loss_fn, batches):
 
     optimizer.build(model.trainable_variables)
 
-    def compute_loss_and_updates(trainable_variables, non_trainable_variables, optimizer_variables, x, y):
+    def compute_loss_and_updates(
+        trainable_variables, non_trainable_variables, optimizer_variables, x, y
+    ):
         y_pred, non_trainable_variables = model.stateless_call(
             trainable_variables, non_trainable_variables, x, training=True
         )
         loss = loss_fn(y, y_pred)
         # scale_loss reads the LossScaleOptimizer's dynamic scale: map it to the state.
-        with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, optimizer_variables))):
+        with keras.StatelessScope(
+            state_mapping=list(zip(optimizer.variables, optimizer_variables))
+        ):
             scaled_loss = optimizer.scale_loss(loss)
         return scaled_loss, (loss, non_trainable_variables)
 

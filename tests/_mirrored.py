@@ -21,5 +21,7 @@ def mirrored_strategy():
     import tensorflow as tf
 
     if len(tf.config.list_logical_devices("CPU")) < 2:
-        pytest.skip("needs two logical CPU devices (tests/conftest.py splits the CPU in the TensorFlow pass)")
+        pytest.skip(
+            "needs two logical CPU devices (tests/conftest.py splits the CPU in the TensorFlow pass)"
+        )
     return _strategy()

@@ -25,7 +25,14 @@ import numpy as np
 import keras  # noqa: E402
 
 import keras_tpu_optim  # noqa: E402,F401  (registers the optimizers)
-from _kto_models import compile_model, fit_steps, make_model, make_optimizer, optimizer_state, weights_of  # noqa: E402
+from _kto_models import (
+    compile_model,
+    fit_steps,
+    make_model,
+    make_optimizer,
+    optimizer_state,
+    weights_of,
+)  # noqa: E402
 
 
 def save_result(path, model):
@@ -57,7 +64,9 @@ def run(task):
         fit_steps(model, x, y, batch_size)
         save_result(task["out"], model)
     elif task["op"] == "train_save":
-        model = compile_model(make_model(task["kind"]), task["kind"], make_optimizer(task["optimizer"]))
+        model = compile_model(
+            make_model(task["kind"]), task["kind"], make_optimizer(task["optimizer"])
+        )
         split = task["steps"] * batch_size
         fit_steps(model, x[:split], y[:split], batch_size)
         model.save(task["save"])

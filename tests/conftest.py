@@ -58,7 +58,9 @@ def _parameter_values(item) -> set:
     for name, value in callspec.params.items():
         try:
             values.add((name, type(value), value))
-        except TypeError:  # A list or dict: parametrize passes the same object to every case it is in.
+        except (
+            TypeError
+        ):  # A list or dict: parametrize passes the same object to every case it is in.
             values.add((name, id(value)))
     return values
 
@@ -90,7 +92,11 @@ def _keras_distribution() -> str:
 
 def pytest_report_header(config):
     # pytest-xdist's controller does not import Keras: the backend its workers will read.
-    backend = _backend() if _runs_tests(config) else f"KERAS_BACKEND={os.environ.get('KERAS_BACKEND', '(unset)')}"
+    backend = (
+        _backend()
+        if _runs_tests(config)
+        else f"KERAS_BACKEND={os.environ.get('KERAS_BACKEND', '(unset)')}"
+    )
     distribution = _keras_distribution()
     return f"{distribution} {importlib.metadata.version(distribution)}, backend: {backend}"
 

@@ -97,7 +97,9 @@ def assert_histories_close(actual, expected, rtol=1e-4, atol=1e-6):
 def assert_moved(history, inits, rtol=1e-3):
     """Guard against vacuous comparisons: the reference's variables did change."""
     for i, (final, init) in enumerate(zip(history[-1], inits)):
-        assert not np.allclose(final, init.astype(np.float64), rtol=rtol, atol=0), f"variable {i} never moved"
+        assert not np.allclose(final, init.astype(np.float64), rtol=rtol, atol=0), (
+            f"variable {i} never moved"
+        )
 
 
 def assert_histories_differ(a, b, margin=1e-3):
@@ -146,11 +148,17 @@ OPTION_CASES = {
         clip_threshold=0.5,
     ),
     "hyperparameters_with_parameter_scale": dict(
-        learning_rate=0.2, beta_2_decay=-0.6, epsilon_2=0.5, clip_threshold=2.0, min_dim_size_to_factor=2
+        learning_rate=0.2,
+        beta_2_decay=-0.6,
+        epsilon_2=0.5,
+        clip_threshold=2.0,
+        min_dim_size_to_factor=2,
     ),
     # big_vision's cap: 1 - t^-0.8 exceeds 0.5 from t = 3 on.
     "beta_2_cap_0.5": dict(learning_rate=0.05, beta_2_cap=0.5),
-    "beta_2_cap_with_options": dict(learning_rate=0.2, beta_2_cap=0.7, beta_1=0.5, min_dim_size_to_factor=3),
+    "beta_2_cap_with_options": dict(
+        learning_rate=0.2, beta_2_cap=0.7, beta_1=0.5, min_dim_size_to_factor=3
+    ),
     # Floored at t = 1 until the offset is passed (10 steps: 7 of them past it).
     "decay_offset_3": dict(learning_rate=0.05, decay_offset=3),
 }
@@ -189,12 +197,26 @@ def test_options_match_numpy_reference(case):
 # Rank 2 to 4 with the two largest axes not the last two (and ties: optax's argsort
 # puts the later of equal axes last), a vector, a matrix too small to factor at
 # min_dim_size_to_factor=3, and a plain last-two matrix.
-OPTAX_SHAPES = [(8, 3), (7, 2, 5), (5, 3, 8), (6, 6, 2), (2, 9, 3, 4), (3, 5, 5, 2), (5,), (9, 2, 1), (3, 4)]
+OPTAX_SHAPES = [
+    (8, 3),
+    (7, 2, 5),
+    (5, 3, 8),
+    (6, 6, 2),
+    (2, 9, 3, 4),
+    (3, 5, 5, 2),
+    (5,),
+    (9, 2, 1),
+    (3, 4),
+]
 OPTAX_CASES = {
     "two_largest": dict(factored_dims="two_largest"),
     "two_largest_decay_offset": dict(factored_dims="two_largest", decay_offset=4),
-    "two_largest_bf16_momentum": dict(factored_dims="two_largest", beta_1=0.9, momentum_dtype="bfloat16"),
-    "two_largest_decay_offset_momentum": dict(factored_dims="two_largest", decay_offset=2, beta_1=0.8),
+    "two_largest_bf16_momentum": dict(
+        factored_dims="two_largest", beta_1=0.9, momentum_dtype="bfloat16"
+    ),
+    "two_largest_decay_offset_momentum": dict(
+        factored_dims="two_largest", decay_offset=2, beta_1=0.8
+    ),
 }
 
 
@@ -252,7 +274,10 @@ def test_factored_dims_decay_offset_momentum_dtype_match_optax(case):
         optimizer.apply(to_tensors(step_grads), variables)
         for i, (ours, theirs) in enumerate(zip(variables, params)):
             np.testing.assert_allclose(
-                to_float64(ours), np.asarray(theirs, np.float64), rtol=2e-4, atol=atol,
+                to_float64(ours),
+                np.asarray(theirs, np.float64),
+                rtol=2e-4,
+                atol=atol,
                 err_msg=f"step {step}, variable {i} of shape {OPTAX_SHAPES[i]}",
             )
     assert_moved([[np.asarray(p, np.float64) for p in params]], inits)
@@ -266,22 +291,41 @@ def test_factored_dims_decay_offset_momentum_dtype_match_optax(case):
             assert factored.v_row[i].shape == (1,), f"optax factors variable {i}; we do not"
         for slot, want in zip(slots, expected):
             assert tuple(slot.shape) == want.shape, f"variable {i} of shape {OPTAX_SHAPES[i]}"
-            np.testing.assert_allclose(to_float64(slot), np.asarray(want, np.float64), rtol=2e-4, err_msg=f"{i}")
+            np.testing.assert_allclose(
+                to_float64(slot), np.asarray(want, np.float64), rtol=2e-4, err_msg=f"{i}"
+            )
     if "beta_1" in kwargs:
         ema = next(s for s in state if hasattr(s, "ema")).ema
         for i, (variable, want) in enumerate(zip(variables, ema)):
             momentum = optimizer._state_of(variable).momentum
-            assert keras.backend.standardize_dtype(momentum.dtype) == kwargs.get("momentum_dtype", "float32")
+            assert keras.backend.standardize_dtype(momentum.dtype) == kwargs.get(
+                "momentum_dtype", "float32"
+            )
             assert np.dtype(want.dtype) == numpy_dtype(kwargs.get("momentum_dtype", "float32"))
             np.testing.assert_allclose(
-                to_float64(momentum), np.asarray(want, np.float64), rtol=1e-2, atol=atol / 10, err_msg=f"momentum {i}"
+                to_float64(momentum),
+                np.asarray(want, np.float64),
+                rtol=1e-2,
+                atol=atol / 10,
+                err_msg=f"momentum {i}",
             )
 
 
 def test_two_largest_slot_shapes_follow_optax_rule():
     """Which axes are factored, ties and `min_dim_size_to_factor` included, as optax's `_factored_dims`."""
     factorized = pytest.importorskip("optax._src.factorized")
-    shapes = [(8, 3), (3, 8), (4, 4), (4, 4, 4), (8, 4, 8), (2, 9, 3, 4), (1, 7), (2, 2, 3), (6, 1, 6), (5,)]
+    shapes = [
+        (8, 3),
+        (3, 8),
+        (4, 4),
+        (4, 4, 4),
+        (8, 4, 8),
+        (2, 9, 3, 4),
+        (1, 7),
+        (2, 2, 3),
+        (6, 1, 6),
+        (5,),
+    ]
     for min_dim in (None, 1, 3, 5):
         optimizer = kto.Adafactor(factored_dims="two_largest", min_dim_size_to_factor=min_dim)
         variables = make_variables([np.zeros(s, "float32") for s in shapes])
@@ -294,19 +338,29 @@ def test_two_largest_slot_shapes_follow_optax_rule():
                 continue
             second, largest = dims
             without = lambda axis: tuple(d for i, d in enumerate(shape) if i != axis)  # noqa: E731
-            assert [tuple(s.shape) for s in slots] == [without(largest), without(second)], (shape, min_dim)
+            assert [tuple(s.shape) for s in slots] == [without(largest), without(second)], (
+                shape,
+                min_dim,
+            )
 
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{}, dict(beta_1=0.9), dict(min_dim_size_to_factor=4), dict(beta_1=0.5, min_dim_size_to_factor=3)],
+    [
+        {},
+        dict(beta_1=0.9),
+        dict(min_dim_size_to_factor=4),
+        dict(beta_1=0.5, min_dim_size_to_factor=3),
+    ],
     ids=["default", "beta_1", "min_dim_size_to_factor", "both"],
 )
 def test_slots_are_named_shaped_and_float32(kwargs):
     optimizer = kto.Adafactor(**kwargs)
     inits = make_data(steps=0)[0]
     # Half the variables bfloat16: the statistics are float32 all the same.
-    variables = make_variables(inits[::2]) + make_variables(inits[1::2], "bfloat16", [f"h{i}" for i in range(3)])
+    variables = make_variables(inits[::2]) + make_variables(
+        inits[1::2], "bfloat16", [f"h{i}" for i in range(3)]
+    )
     optimizer.build(variables)
     reference = NumpyAdafactor(**kwargs)
     expected = {}
@@ -333,11 +387,14 @@ def test_no_full_size_second_moment_for_factored_variables():
     shapes = [tuple(v.shape) for v in optimizer.variables]
     for var in variables:
         if len(var.shape) >= 2:
-            assert tuple(var.shape) not in shapes, f"full-size buffer for {var.path} {tuple(var.shape)}"
+            assert tuple(var.shape) not in shapes, (
+                f"full-size buffer for {var.path} {tuple(var.shape)}"
+            )
     # Only rank < 2 variables keep an element-wise second moment.
     state_size = sum(math.prod(v.shape) for v in slot_variables(optimizer))
     expected = sum(
-        math.prod(s) if len(s) < 2 else math.prod(s[:-1]) + math.prod(s[:-2] + s[-1:]) for s in SHAPES
+        math.prod(s) if len(s) < 2 else math.prod(s[:-1]) + math.prod(s[:-2] + s[-1:])
+        for s in SHAPES
     )
     assert state_size == expected
 
@@ -378,7 +435,13 @@ def test_weight_decay_with_exclusions_matches_keras_and_numpy():
 
 
 def test_weight_decay_with_options_keras_lacks_matches_numpy():
-    kwargs = dict(learning_rate=0.1, weight_decay=0.2, relative_step=False, beta_1=0.9, min_dim_size_to_factor=3)
+    kwargs = dict(
+        learning_rate=0.1,
+        weight_decay=0.2,
+        relative_step=False,
+        beta_1=0.9,
+        min_dim_size_to_factor=3,
+    )
     inits, grads = make_data(steps=8, seed=3)
     optimizer = kto.Adafactor(**kwargs)
     optimizer.exclude_from_weight_decay(var_names=["bias"])
@@ -389,7 +452,9 @@ def test_weight_decay_with_options_keras_lacks_matches_numpy():
 
 
 @pytest.mark.parametrize(
-    "clip", [dict(clipnorm=0.5), dict(clipvalue=0.3), dict(global_clipnorm=1.0)], ids=lambda c: next(iter(c))
+    "clip",
+    [dict(clipnorm=0.5), dict(clipvalue=0.3), dict(global_clipnorm=1.0)],
+    ids=lambda c: next(iter(c)),
 )
 def test_gradient_clipping_matches_keras(clip):
     kwargs = dict(learning_rate=0.1, **clip)
@@ -401,7 +466,9 @@ def test_gradient_clipping_matches_keras(clip):
 
 def test_ema_with_overwrite_frequency_and_finalize_matches_keras():
     kwargs = dict(learning_rate=0.1, use_ema=True, ema_momentum=0.7, ema_overwrite_frequency=3)
-    (ours_opt, ours_vars, _), (keras_opt, keras_vars, keras_history) = compare_with_keras(kwargs, steps=7)
+    (ours_opt, ours_vars, _), (keras_opt, keras_vars, keras_history) = compare_with_keras(
+        kwargs, steps=7
+    )
     ours_opt.finalize_variable_values(ours_vars)
     keras_opt.finalize_variable_values(keras_vars)
     final_ours = [to_float64(v) for v in ours_vars]
@@ -414,9 +481,14 @@ def test_ema_with_overwrite_frequency_and_finalize_matches_keras():
 def test_gradient_accumulation_equals_one_step_on_the_mean():
     steps = 3
     inits, micro_grads = make_data(steps=2 * steps, seed=4)
-    _, ours = run_keras(kto.Adafactor(learning_rate=0.1, gradient_accumulation_steps=steps), inits, micro_grads)
+    _, ours = run_keras(
+        kto.Adafactor(learning_rate=0.1, gradient_accumulation_steps=steps), inits, micro_grads
+    )
     mean_grads = [
-        [np.mean([micro_grads[k][i] for k in range(s, s + steps)], axis=0) for i in range(len(inits))]
+        [
+            np.mean([micro_grads[k][i] for k in range(s, s + steps)], axis=0)
+            for i in range(len(inits))
+        ]
         for s in range(0, 2 * steps, steps)
     ]
     expected = run_numpy(NumpyAdafactor(learning_rate=0.1), inits, mean_grads)
@@ -434,11 +506,17 @@ def test_loss_scale_factor_matches_keras_and_numpy():
     scale = 1024.0
     inits, grads = make_data(steps=8, seed=5)
     scaled = [[g * np.float32(scale) for g in step] for step in grads]
-    compare_with_keras(dict(learning_rate=0.1, loss_scale_factor=scale), inits_grads=(inits, scaled))
+    compare_with_keras(
+        dict(learning_rate=0.1, loss_scale_factor=scale), inits_grads=(inits, scaled)
+    )
     optimizer = kto.Adafactor(learning_rate=0.1, beta_1=0.9, loss_scale_factor=scale)
-    assert float(ops.convert_to_numpy(optimizer.scale_loss(ops.convert_to_tensor(2.0)))) == 2.0 * scale
+    assert (
+        float(ops.convert_to_numpy(optimizer.scale_loss(ops.convert_to_tensor(2.0)))) == 2.0 * scale
+    )
     _, ours = run_keras(optimizer, inits, scaled)
-    assert_histories_close(ours, run_numpy(NumpyAdafactor(learning_rate=0.1, beta_1=0.9), inits, grads))
+    assert_histories_close(
+        ours, run_numpy(NumpyAdafactor(learning_rate=0.1, beta_1=0.9), inits, grads)
+    )
 
 
 def _schedule():
@@ -454,7 +532,9 @@ def test_learning_rate_schedule_matches_keras_and_numpy():
     compare_with_keras(dict(learning_rate=_schedule()), steps=10)
     inits, grads = make_data(steps=10, seed=2)
     for relative_step in (True, False):
-        _, ours = run_keras(kto.Adafactor(learning_rate=_schedule(), relative_step=relative_step), inits, grads)
+        _, ours = run_keras(
+            kto.Adafactor(learning_rate=_schedule(), relative_step=relative_step), inits, grads
+        )
         reference = NumpyAdafactor(learning_rate=_schedule_numpy, relative_step=relative_step)
         expected = run_numpy(reference, inits, grads)
         assert_histories_close(ours, expected)
@@ -507,7 +587,8 @@ JIT_KWARGS = [
 
 
 @pytest.mark.skipif(
-    BACKEND != "jax", reason=f"jax.jit(optimizer.stateless_apply) needs the JAX backend; this run is {BACKEND}"
+    BACKEND != "jax",
+    reason=f"jax.jit(optimizer.stateless_apply) needs the JAX backend; this run is {BACKEND}",
 )
 @pytest.mark.parametrize("kwargs", JIT_KWARGS, ids=["default", "options"])
 def test_jax_jit_stateless_apply_matches_numpy(kwargs):
@@ -522,7 +603,9 @@ def test_jax_jit_stateless_apply_matches_numpy(kwargs):
     step = jax.jit(optimizer.stateless_apply)
     ours = []
     for step_grads in grads:
-        trainable_values, optimizer_values = step(optimizer_values, to_tensors(step_grads), trainable_values)
+        trainable_values, optimizer_values = step(
+            optimizer_values, to_tensors(step_grads), trainable_values
+        )
         ours.append([np.asarray(v, dtype=np.float64) for v in trainable_values])
     assert step._cache_size() == 1, "stateless_apply was retraced"
     expected = run_numpy(NumpyAdafactor(**kwargs), inits, grads)
@@ -566,7 +649,16 @@ def bert_base_like_shapes():
     """The benchmark's BERT-base-like stack: a 32000x768 embedding, then 12 transformer layers."""
     shapes = [(32000, 768)]
     for _ in range(12):
-        shapes += [(768, 2304), (2304,), (768, 768), (768,), (768, 3072), (3072,), (3072, 768), (768,)]
+        shapes += [
+            (768, 2304),
+            (2304,),
+            (768, 768),
+            (768,),
+            (768, 3072),
+            (3072,),
+            (3072, 768),
+            (768,),
+        ]
         shapes += [(768,), (768,)]  # layer norm
     return shapes
 
@@ -577,7 +669,8 @@ def test_bert_base_optimizer_state_is_at_most_0_3_percent_of_parameters():
     assert 109e6 < n_params < 110e6
     # Real float32 variables (440 MB of zeros, freed when the test ends); build only, no step.
     variables = [
-        keras.Variable(initializer="zeros", shape=s, dtype="float32", name=f"p{i}") for i, s in enumerate(shapes)
+        keras.Variable(initializer="zeros", shape=s, dtype="float32", name=f"p{i}")
+        for i, s in enumerate(shapes)
     ]
     optimizer = kto.Adafactor()
     optimizer.build(variables)
@@ -635,7 +728,13 @@ def test_config_round_trip_and_deserialized_numbers():
 
 
 def test_config_round_trip_of_layout_and_rounding_options():
-    kwargs = dict(factored_dims="two_largest", momentum_dtype="bfloat16", beta_1=0.9, stochastic_rounding=True, seed=7)
+    kwargs = dict(
+        factored_dims="two_largest",
+        momentum_dtype="bfloat16",
+        beta_1=0.9,
+        stochastic_rounding=True,
+        seed=7,
+    )
     for opt in _check_round_trip(kto.Adafactor(**kwargs), kwargs):
         assert opt._options == kto.Adafactor(**kwargs)._options
 
@@ -644,7 +743,9 @@ def test_config_round_trip_with_schedule():
     kwargs = dict(SERIALIZED_KWARGS, learning_rate=_schedule())
     restored, deserialized = _check_round_trip(kto.Adafactor(**kwargs), {})
     inits, grads = make_data(steps=6, seed=8)
-    expected = run_numpy(NumpyAdafactor(**dict(kwargs, learning_rate=_schedule_numpy)), inits, grads)
+    expected = run_numpy(
+        NumpyAdafactor(**dict(kwargs, learning_rate=_schedule_numpy)), inits, grads
+    )
     for opt in (restored, deserialized):
         assert isinstance(opt._learning_rate, keras.optimizers.schedules.ExponentialDecay)
         _, history = run_keras(opt, inits, grads)
@@ -718,6 +819,12 @@ def test_invalid_hyperparameters_raise_value_error_naming_them():
 
 
 def test_boundary_hyperparameters_are_accepted():
-    kto.Adafactor(beta_1=0.0, epsilon_2=0.0, min_dim_size_to_factor=1, beta_2_decay=-1.0, relative_step=False)
-    kto.Adafactor(beta_2_cap=0.0, decay_offset=0, seed=0, momentum_dtype="float32", factored_dims="last_two")
-    kto.Adafactor(beta_2_cap=1.0, seed=2**31 - 1, momentum_dtype="bfloat16", stochastic_rounding=True)
+    kto.Adafactor(
+        beta_1=0.0, epsilon_2=0.0, min_dim_size_to_factor=1, beta_2_decay=-1.0, relative_step=False
+    )
+    kto.Adafactor(
+        beta_2_cap=0.0, decay_offset=0, seed=0, momentum_dtype="float32", factored_dims="last_two"
+    )
+    kto.Adafactor(
+        beta_2_cap=1.0, seed=2**31 - 1, momentum_dtype="bfloat16", stochastic_rounding=True
+    )

@@ -24,7 +24,9 @@ SHAPES = [(70,), (37, 5), (6, 16, 3)]
 OPTIONS = {
     "default": {},
     "momentum": dict(beta_1=0.9, decay_offset=1, beta_2_cap=0.9),
-    "two_largest_bf16_momentum": dict(factored_dims="two_largest", beta_1=0.5, momentum_dtype="bfloat16"),
+    "two_largest_bf16_momentum": dict(
+        factored_dims="two_largest", beta_1=0.5, momentum_dtype="bfloat16"
+    ),
     "unfactored_no_param_scale": dict(min_dim_size_to_factor=6, multiply_by_parameter_scale=False),
     "stochastic_rounding": dict(stochastic_rounding=True, seed=5, beta_1=0.9),
 }
@@ -34,7 +36,10 @@ STEPS = 3
 def _data(shape, seed):
     rng = np.random.default_rng(seed)
     param = rng.normal(size=shape).astype(np.float32)
-    grads = [(10.0 ** rng.uniform(-1, 1) * rng.normal(size=shape)).astype(np.float32) for _ in range(STEPS)]
+    grads = [
+        (10.0 ** rng.uniform(-1, 1) * rng.normal(size=shape)).astype(np.float32)
+        for _ in range(STEPS)
+    ]
     return param, grads
 
 
@@ -44,8 +49,10 @@ def _zero_state(shape, options):
         slots = [np.zeros(shape, np.float32)]
     else:
         a, b = axes
-        slots = [np.zeros([d for i, d in enumerate(shape) if i != b], np.float32),
-                 np.zeros([d for i, d in enumerate(shape) if i != a], np.float32)]
+        slots = [
+            np.zeros([d for i, d in enumerate(shape) if i != b], np.float32),
+            np.zeros([d for i, d in enumerate(shape) if i != a], np.float32),
+        ]
     return slots, (None if options.beta_1 is None else np.zeros(shape, np.float32))
 
 
@@ -62,9 +69,15 @@ def _formula_steps(param, grads, options, evaluation, batch=False):
     history = []
     for t, grad in enumerate(grads):
         delta, slots, momentum = adafactor_math.adafactor_update(
-            ops.convert_to_tensor(grad), values[-1], tuple(slots), momentum,
-            learning_rate=ops.convert_to_tensor(0.3), step=ops.convert_to_tensor(float(t + 1)), options=options,
-            factored_axes=options.factored_axes(shape), evaluation=evaluation,
+            ops.convert_to_tensor(grad),
+            values[-1],
+            tuple(slots),
+            momentum,
+            learning_rate=ops.convert_to_tensor(0.3),
+            step=ops.convert_to_tensor(float(t + 1)),
+            options=options,
+            factored_axes=options.factored_axes(shape),
+            evaluation=evaluation,
         )
         if momentum is not None and options.momentum_dtype == "bfloat16":
             momentum_stored = ops.cast(ops.cast(momentum, "bfloat16"), "float32")
@@ -85,11 +98,15 @@ def _evaluations(shape):
     if BACKEND == "tensorflow":
         from keras_tpu_optim._backend.tensorflow import adafactor as tf_adafactor
 
-        evaluations["tensorflow_cpu_in_blocks"] = blocks.Blocked(shape, tf_adafactor.CPU_EVALUATION, chunk_elements=40)
+        evaluations["tensorflow_cpu_in_blocks"] = blocks.Blocked(
+            shape, tf_adafactor.CPU_EVALUATION, chunk_elements=40
+        )
     if BACKEND == "torch":
         from keras_tpu_optim._backend.torch import adafactor as torch_adafactor
 
-        evaluations["torch_norms_in_blocks"] = blocks.Blocked(shape, torch_adafactor.EVALUATION, chunk_elements=40)
+        evaluations["torch_norms_in_blocks"] = blocks.Blocked(
+            shape, torch_adafactor.EVALUATION, chunk_elements=40
+        )
     return evaluations
 
 
@@ -100,18 +117,31 @@ def test_each_evaluation_gives_the_neutral_numbers(shape, name):
     param, grads = _data(shape, seed=len(shape))
     neutral_history = _formula_steps(param, grads, options, adafactor_math.NEUTRAL)
     for label, evaluation in _evaluations(shape).items():
-        for step, (want, got) in enumerate(zip(neutral_history, _formula_steps(param, grads, options, evaluation))):
+        for step, (want, got) in enumerate(
+            zip(neutral_history, _formula_steps(param, grads, options, evaluation))
+        ):
             for x, y in zip(want, got):
-                np.testing.assert_allclose(y, x, rtol=2e-5, atol=1e-6, err_msg=f"{label}, step {step + 1}")
+                np.testing.assert_allclose(
+                    y, x, rtol=2e-5, atol=1e-6, err_msg=f"{label}, step {step + 1}"
+                )
     # Stacked with another variable of the shape: each keeps its own sums and scalars.
     other, other_grads = _data(shape, seed=9)
-    stacked = _formula_steps(np.stack([param, other]), [np.stack(g) for g in zip(grads, other_grads)], options,
-                             adafactor_math.BATCHED, batch=True)
+    stacked = _formula_steps(
+        np.stack([param, other]),
+        [np.stack(g) for g in zip(grads, other_grads)],
+        options,
+        adafactor_math.BATCHED,
+        batch=True,
+    )
     other_history = _formula_steps(other, other_grads, options, adafactor_math.NEUTRAL)
     for step, (want, want_other, got) in enumerate(zip(neutral_history, other_history, stacked)):
         for x, x_other, y in zip(want, want_other, got):
-            np.testing.assert_allclose(y[0], x, rtol=2e-5, atol=1e-6, err_msg=f"stacked, step {step + 1}")
-            np.testing.assert_allclose(y[1], x_other, rtol=2e-5, atol=1e-6, err_msg=f"stacked, step {step + 1}")
+            np.testing.assert_allclose(
+                y[0], x, rtol=2e-5, atol=1e-6, err_msg=f"stacked, step {step + 1}"
+            )
+            np.testing.assert_allclose(
+                y[1], x_other, rtol=2e-5, atol=1e-6, err_msg=f"stacked, step {step + 1}"
+            )
     assert not np.allclose(neutral_history[-1][0], param)
 
 
@@ -121,15 +151,27 @@ def _neutral_variable(param, grads, options, dtype, variable_index):
     slots, momentum = _zero_state(shape, options)
     value = ops.cast(ops.convert_to_tensor(param), dtype)
     slots = tuple(ops.convert_to_tensor(s) for s in slots)
-    momentum = None if momentum is None else ops.cast(ops.convert_to_tensor(momentum), options.momentum_dtype)
+    momentum = (
+        None
+        if momentum is None
+        else ops.cast(ops.convert_to_tensor(momentum), options.momentum_dtype)
+    )
     for t, grad in enumerate(grads):
         step = ops.convert_to_tensor(t + 1)
         delta, slots, new_momentum = neutral.adafactor_results(
-            ops.cast(ops.convert_to_tensor(grad), dtype), value, slots, momentum,
-            learning_rate=0.3, step=step, options=options, evaluation=adafactor_math.NEUTRAL,
+            ops.cast(ops.convert_to_tensor(grad), dtype),
+            value,
+            slots,
+            momentum,
+            learning_rate=0.3,
+            step=step,
+            options=options,
+            evaluation=adafactor_math.NEUTRAL,
         )
         momentum = None if momentum is None else ops.cast(new_momentum, options.momentum_dtype)
-        value = neutral.subtracted(value, delta, neutral.variable_rounding(options, step, variable_index, shape))
+        value = neutral.subtracted(
+            value, delta, neutral.variable_rounding(options, step, variable_index, shape)
+        )
     return ops.convert_to_numpy(ops.cast(value, "float32"))
 
 
@@ -147,17 +189,32 @@ def _in_place_steps(param, grads, options, dtype, variable_index):
             slots, momentum = _zero_state(shape, options)
             value = torch.tensor(param).to(torch_dtype)
             slots = tuple(torch.tensor(s) for s in slots)
-            momentum = None if momentum is None else torch.tensor(momentum).to(getattr(torch, options.momentum_dtype))
+            momentum = (
+                None
+                if momentum is None
+                else torch.tensor(momentum).to(getattr(torch, options.momentum_dtype))
+            )
             for t, grad in enumerate(grads):
-                kwargs = dict(learning_rate=torch.tensor(0.3), step=torch.tensor(t + 1), options=options)
+                kwargs = dict(
+                    learning_rate=torch.tensor(0.3), step=torch.tensor(t + 1), options=options
+                )
                 grad = torch.tensor(grad).to(torch_dtype)
                 if label == "blocked":
-                    torch_adafactor.blocked_step(grad, value, slots, momentum, variable_index=variable_index,
-                                                 chunk_elements=40, **kwargs)
+                    torch_adafactor.blocked_step(
+                        grad,
+                        value,
+                        slots,
+                        momentum,
+                        variable_index=variable_index,
+                        chunk_elements=40,
+                        **kwargs,
+                    )
                 else:
                     member = torch_adafactor.Member(value, grad, slots, momentum)
                     axes = options.factored_axes(shape) if len(slots) == 2 else None
-                    torch_adafactor.grouped_step([member], axes=axes, indices=torch.tensor([variable_index]), **kwargs)
+                    torch_adafactor.grouped_step(
+                        [member], axes=axes, indices=torch.tensor([variable_index]), **kwargs
+                    )
             results[label] = value.to(torch.float32).numpy()
     if BACKEND == "tensorflow":
         import tensorflow as tf
@@ -167,11 +224,20 @@ def _in_place_steps(param, grads, options, dtype, variable_index):
         slots, momentum = _zero_state(shape, options)
         value = tf.Variable(tf.cast(param, dtype))
         slots = tuple(tf.Variable(s) for s in slots)
-        momentum = None if momentum is None else tf.Variable(tf.cast(momentum, options.momentum_dtype))
+        momentum = (
+            None if momentum is None else tf.Variable(tf.cast(momentum, options.momentum_dtype))
+        )
         for t, grad in enumerate(grads):
             tf_adafactor.assigning_step(
-                tf.cast(grad, dtype), value, slots, momentum, learning_rate=tf.constant(0.3),
-                step=tf.constant(t + 1), options=options, variable_index=variable_index, chunk_elements=40,
+                tf.cast(grad, dtype),
+                value,
+                slots,
+                momentum,
+                learning_rate=tf.constant(0.3),
+                step=tf.constant(t + 1),
+                options=options,
+                variable_index=variable_index,
+                chunk_elements=40,
             )
         results["blocked"] = tf.cast(value, tf.float32).numpy()
     return results
@@ -182,7 +248,9 @@ def _in_place_steps(param, grads, options, dtype, variable_index):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"rank_{len(s)}")
 def test_in_place_steps_give_the_neutral_step(shape, name, dtype):
     if BACKEND == "jax":
-        pytest.skip("JAX has no in-place step: its state is immutable, each step the neutral evaluation's")
+        pytest.skip(
+            "JAX has no in-place step: its state is immutable, each step the neutral evaluation's"
+        )
     options = adafactor_math.AdafactorOptions(**OPTIONS[name])
     param, grads = _data(shape, seed=3)
     want = _neutral_variable(param, grads, options, dtype, variable_index=4)

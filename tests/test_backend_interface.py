@@ -49,8 +49,11 @@ def test_backend_resolved_once_and_complete():
         _backend.get("numpy")
 
 
-@pytest.mark.parametrize("path", sorted((PACKAGE / "_math").glob("*.py")) + [PACKAGE / "_backend" / "neutral.py"],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path",
+    sorted((PACKAGE / "_math").glob("*.py")) + [PACKAGE / "_backend" / "neutral.py"],
+    ids=lambda p: p.name,
+)
 @pytest.mark.backend_neutral
 def test_neutral_math_imports_no_backend_and_asks_for_none(path):
     imported = set(_imports(path))
@@ -67,8 +70,12 @@ def test_dependencies_point_down():
         graph[_module_name(path)] = {m for m in _imports(path) if m.startswith("keras_tpu_optim")}
     for name, imported in graph.items():
         if name.startswith("keras_tpu_optim._backend") or name.startswith("keras_tpu_optim._math"):
-            assert not imported & {"keras_tpu_optim", "keras_tpu_optim.adafactor",
-                                   "keras_tpu_optim.embedding_adam", "keras_tpu_optim._base"}, name
+            assert not imported & {
+                "keras_tpu_optim",
+                "keras_tpu_optim.adafactor",
+                "keras_tpu_optim.embedding_adam",
+                "keras_tpu_optim._base",
+            }, name
     visiting, done = set(), set()
 
     def visit(name, trail):
@@ -112,7 +119,10 @@ def test_torch_blocked_step_only_on_cpu(platform, expected):
 def _run(platform, monkeypatch=None):
     rng = np.random.default_rng(0)
     shapes = [(40, 24), (24,), (2, 17, 5)]
-    variables = [keras.Variable(rng.normal(size=s).astype(np.float32), name=f"v{i}") for i, s in enumerate(shapes)]
+    variables = [
+        keras.Variable(rng.normal(size=s).astype(np.float32), name=f"v{i}")
+        for i, s in enumerate(shapes)
+    ]
     optimizer = kto.Adafactor(learning_rate=0.05, beta_1=0.5)
     optimizer.build(variables)
     optimizer._platforms = [platform] * len(variables)

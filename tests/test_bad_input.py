@@ -22,7 +22,10 @@ def _variables():
 
 
 def _snapshot(optimizer, variables):
-    return [keras.ops.convert_to_numpy(v.value).copy() for v in list(variables) + list(optimizer.variables)]
+    return [
+        keras.ops.convert_to_numpy(v.value).copy()
+        for v in list(variables) + list(optimizer.variables)
+    ]
 
 
 def _assert_unchanged(before, optimizer, variables):
@@ -80,14 +83,15 @@ EMBEDDING_ADAM_BAD = [
     ({"bias_correction": "row"}, "bias_correction"),
     ({"bias_correction": True}, "bias_correction"),
 ]
-BAD = (
-    [(kto.Adafactor, k, w) for k, w in COMMON_BAD + ADAFACTOR_BAD]
-    + [(kto.EmbeddingAdam, k, w) for k, w in COMMON_BAD + EMBEDDING_ADAM_BAD]
-)
+BAD = [(kto.Adafactor, k, w) for k, w in COMMON_BAD + ADAFACTOR_BAD] + [
+    (kto.EmbeddingAdam, k, w) for k, w in COMMON_BAD + EMBEDDING_ADAM_BAD
+]
 
 
 @pytest.mark.parametrize(
-    "cls, kwargs, named", BAD, ids=[f"{c.__name__}-{'-'.join(map(str, k))}-{i}" for i, (c, k, _) in enumerate(BAD)]
+    "cls, kwargs, named",
+    BAD,
+    ids=[f"{c.__name__}-{'-'.join(map(str, k))}-{i}" for i, (c, k, _) in enumerate(BAD)],
 )
 def test_invalid_hyperparameter_names_the_argument(cls, kwargs, named):
     with pytest.raises(ValueError, match=named):
@@ -99,7 +103,10 @@ def test_invalid_hyperparameter_names_the_argument(cls, kwargs, named):
 
 @pytest.mark.parametrize("cls", OPTIMIZERS)
 def test_non_float_variable_is_refused_before_any_slot_exists(cls):
-    variables = [keras.Variable(np.ones((3, 4), "float32"), name="ok"), keras.Variable(np.ones(4, "int32"), name="ids", trainable=False)]
+    variables = [
+        keras.Variable(np.ones((3, 4), "float32"), name="ok"),
+        keras.Variable(np.ones(4, "int32"), name="ids", trainable=False),
+    ]
     optimizer = cls()
     with pytest.raises(ValueError, match=r"floating-point.*'ids'.*int32"):
         optimizer.build(variables)
@@ -165,7 +172,9 @@ def _loss_scaled_apply(optimizer, grads, variables):
     new_variables, new_state = jax.jit(optimizer.stateless_apply)(
         [v.value for v in optimizer.variables], grads, [v.value for v in variables]
     )
-    for variable, value in zip(list(variables) + list(optimizer.variables), list(new_variables) + list(new_state)):
+    for variable, value in zip(
+        list(variables) + list(optimizer.variables), list(new_variables) + list(new_state)
+    ):
         variable.assign(value)
 
 
@@ -187,7 +196,9 @@ def test_loss_scale_optimizer_skips_a_non_finite_step(cls, bad_value):
 @pytest.mark.parametrize("cls", OPTIMIZERS)
 def test_skip_nonfinite_updates_skips_the_whole_step(cls):
     variables = _variables()
-    optimizer = cls(learning_rate=0.1, skip_nonfinite_updates=True, use_ema=True, gradient_accumulation_steps=2)
+    optimizer = cls(
+        learning_rate=0.1, skip_nonfinite_updates=True, use_ema=True, gradient_accumulation_steps=2
+    )
     reference_variables = _variables()
     reference = cls(learning_rate=0.1, use_ema=True, gradient_accumulation_steps=2)
 
@@ -198,7 +209,9 @@ def test_skip_nonfinite_updates_skips_the_whole_step(cls):
         grads = _grads(0.25)
         grads[1][3] = bad_value
         optimizer.apply(grads, variables)
-        _assert_unchanged(before, optimizer, variables)  # variables, slots, EMA, accumulators, iterations
+        _assert_unchanged(
+            before, optimizer, variables
+        )  # variables, slots, EMA, accumulators, iterations
     # Then it carries on exactly as if the bad steps never happened.
     for value in (0.25, -0.5, 0.125):
         optimizer.apply(_grads(value), variables)
@@ -218,19 +231,28 @@ def test_by_default_non_finite_gradients_propagate_like_keras(cls):
     assert int(optimizer.iterations) == 1
 
 
-@pytest.mark.parametrize("kind, cls", [("mlp", kto.Adafactor), ("recommender", kto.EmbeddingAdam)], ids=["adafactor", "embedding_adam"])
+@pytest.mark.parametrize(
+    "kind, cls",
+    [("mlp", kto.Adafactor), ("recommender", kto.EmbeddingAdam)],
+    ids=["adafactor", "embedding_adam"],
+)
 def test_skip_nonfinite_updates_inside_compiled_fit(kind, cls):
     """In fit (tf.function / jax.jit / torch): a batch with a NaN target is skipped
     entirely, so the run equals the run without that batch, bit for bit."""
     x, y = make_data(kind, 48)
     poisoned_y = np.concatenate([y[:16], np.full_like(y[:16], np.nan), y[16:]])
     poisoned_x = np.concatenate([x[:16], x[:16], x[16:]])
-    skipping = compile_model(make_model(kind), kind, cls(learning_rate=0.05, skip_nonfinite_updates=True))
+    skipping = compile_model(
+        make_model(kind), kind, cls(learning_rate=0.05, skip_nonfinite_updates=True)
+    )
     fit_steps(skipping, poisoned_x, poisoned_y, 16)
     clean = compile_model(make_model(kind), kind, cls(learning_rate=0.05))
     fit_steps(clean, x, y, 16)
     assert int(skipping.optimizer.iterations) == int(clean.optimizer.iterations) == 3
-    for a, b in zip(weights_of(skipping) + optimizer_state(skipping.optimizer), weights_of(clean) + optimizer_state(clean.optimizer)):
+    for a, b in zip(
+        weights_of(skipping) + optimizer_state(skipping.optimizer),
+        weights_of(clean) + optimizer_state(clean.optimizer),
+    ):
         np.testing.assert_array_equal(a, b)
 
 
@@ -245,6 +267,8 @@ def test_indexed_slices_with_a_row_out_of_range_is_an_error(bad_id):
     optimizer.apply([good], [table])
     before = _snapshot(optimizer, [table])
     bad = tf.IndexedSlices(tf.ones([2, 4]), tf.constant([1, bad_id]), tf.constant([3, 4]))
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"gradient of .*table.* outside \[0, number of rows\)"):
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match=r"gradient of .*table.* outside \[0, number of rows\)"
+    ):
         optimizer.apply([bad], [table])
     _assert_unchanged(before, optimizer, [table])

@@ -11,7 +11,9 @@ import pytest
 import keras_tpu_optim as kto
 
 BACKEND = keras.backend.backend()
-pytestmark = pytest.mark.skipif(BACKEND == "torch", reason="eager torch compiles nothing; this run is torch")
+pytestmark = pytest.mark.skipif(
+    BACKEND == "torch", reason="eager torch compiles nothing; this run is torch"
+)
 
 
 class Compilations:
@@ -52,11 +54,15 @@ def compilations():
 
 def steps(optimizer, variable, gradients, rows=False):
     for gradient in gradients:
-        if rows and BACKEND == "tensorflow":  # TF's compiled row path takes IndexedSlices (dense: plain TF ops)
+        if (
+            rows and BACKEND == "tensorflow"
+        ):  # TF's compiled row path takes IndexedSlices (dense: plain TF ops)
             import tensorflow as tf
 
             ids = np.flatnonzero(np.abs(gradient).sum(axis=1))
-            gradient = tf.IndexedSlices(tf.constant(gradient[ids]), tf.constant(ids), tf.constant(gradient.shape))
+            gradient = tf.IndexedSlices(
+                tf.constant(gradient[ids]), tf.constant(ids), tf.constant(gradient.shape)
+            )
         else:
             gradient = keras.ops.convert_to_tensor(gradient)
         optimizer.apply([gradient], [variable])
@@ -65,7 +71,9 @@ def steps(optimizer, variable, gradients, rows=False):
 def test_embedding_adam_numbers_share_one_compilation(compilations):
     rng = np.random.default_rng(0)
     table = keras.Variable(rng.normal(size=(300, 8)).astype("float32"))
-    gradients = [rng.normal(size=(300, 8)).astype("float32") * (rng.random((300, 1)) < 0.1) for _ in range(3)]
+    gradients = [
+        rng.normal(size=(300, 8)).astype("float32") * (rng.random((300, 1)) < 0.1) for _ in range(3)
+    ]
     optimizer = kto.EmbeddingAdam(0.01, clip_weight_max=5.0, weight_decay_factor=0.1, clipvalue=2.0)
     optimizer.build([table])
     steps(optimizer, table, gradients[:1], rows=True)

@@ -28,23 +28,32 @@ def test_quick_demo_trains_prints_summary_and_writes_figure(tmp_path):
 
     # Part 1: Keras's Adafactor keeps a full-size buffer per variable (state/params ~1);
     # ours only row/column statistics, a small fraction even on this tiny LM.
-    ratio = dict(re.findall(
-        r"^(keras_tpu_optim\.Adafactor|keras\.optimizers\.Adafactor)\s+\S+\s+[\d,]+\s+([\d.]+)", out, re.M
-    ))
+    ratio = dict(
+        re.findall(
+            r"^(keras_tpu_optim\.Adafactor|keras\.optimizers\.Adafactor)\s+\S+\s+[\d,]+\s+([\d.]+)",
+            out,
+            re.M,
+        )
+    )
     assert float(ratio["keras.optimizers.Adafactor"]) >= 1.0
     assert float(ratio["keras_tpu_optim.Adafactor"]) < 0.25
 
     # Part 2: the tables trained in the lookup, and EmbeddingAdam as the model's optimizer, touched a few rows
     # per step, Keras's Adam every row.
-    rows = dict(re.findall(
-        r"^(keras_tpu_optim\.layers\.Embedding|keras_tpu_optim\.EmbeddingAdam|keras\.optimizers\.Adam)\s+\S+\s+\S+\s+([\d,]+)",
-        out, re.M,
-    ))
+    rows = dict(
+        re.findall(
+            r"^(keras_tpu_optim\.layers\.Embedding|keras_tpu_optim\.EmbeddingAdam|keras\.optimizers\.Adam)\s+\S+\s+\S+\s+([\d,]+)",
+            out,
+            re.M,
+        )
+    )
     assert int(rows["keras.optimizers.Adam"].replace(",", "")) == 20_000
     assert 0 < int(rows["keras_tpu_optim.EmbeddingAdam"].replace(",", "")) < 256
     assert 0 < int(rows["keras_tpu_optim.layers.Embedding"].replace(",", "")) < 256
     # Beside the TPU's global bias correction, the per-row one (its own line and final loss).
-    per_row = re.search(r"^keras_tpu_optim\.layers\.Embedding\(per_row\)\s+([\d.]+)\s+[\d.]+\s+([\d,]+)", out, re.M)
+    per_row = re.search(
+        r"^keras_tpu_optim\.layers\.Embedding\(per_row\)\s+([\d.]+)\s+[\d.]+\s+([\d,]+)", out, re.M
+    )
     assert per_row and 0 < int(per_row.group(2).replace(",", "")) < 256, out[-2000:]
     assert f"final loss {per_row.group(1)} against" in out
     # Keras's TF optimizers square an IndexedSlices gradient's values before summing duplicate ids: said on TF only.
@@ -60,10 +69,16 @@ def test_backend_option_runs_the_demo_on_that_backend_in_its_own_process(monkeyp
 
     other = next(b for b in ("tensorflow", "jax", "torch") if b != keras.backend.backend())
     calls = []
-    monkeypatch.setattr(subprocess, "run", lambda cmd, env, check: calls.append((cmd, env)) or
-                        subprocess.CompletedProcess(cmd, 7))
+    monkeypatch.setattr(
+        subprocess,
+        "run",
+        lambda cmd, env, check: calls.append((cmd, env)) or subprocess.CompletedProcess(cmd, 7),
+    )
     environment = dict(os.environ)
     assert _demo.main(["--backend", other, "--quick"]) == 7
-    (cmd, env), = calls
-    assert cmd[1:] == ["-m", "keras_tpu_optim", "--backend", other, "--quick"] and env["KERAS_BACKEND"] == other
+    ((cmd, env),) = calls
+    assert (
+        cmd[1:] == ["-m", "keras_tpu_optim", "--backend", other, "--quick"]
+        and env["KERAS_BACKEND"] == other
+    )
     assert dict(os.environ) == environment

@@ -43,7 +43,9 @@ def _train(make_optimizer, distribution=None):
         optimizer = make_optimizer()
         model.compile(optimizer=optimizer, loss="mse")
         ids, targets = _data()
-        model.fit(ids, targets, batch_size=16, epochs=1, steps_per_epoch=STEPS, verbose=0, shuffle=False)
+        model.fit(
+            ids, targets, batch_size=16, epochs=1, steps_per_epoch=STEPS, verbose=0, shuffle=False
+        )
         return model, optimizer
     finally:
         keras.distribution.set_distribution(None)
@@ -59,7 +61,9 @@ def _require_jax_devices():
     if BACKEND != "jax":
         pytest.skip(f"keras.distribution runs on the JAX backend; this run is {BACKEND}")
     if len(keras.distribution.list_devices()) < 8:
-        pytest.skip("needs 8 JAX devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (dev/test.sh sets it)")
+        pytest.skip(
+            "needs 8 JAX devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (dev/test.sh sets it)"
+        )
 
 
 def _weights(model):
@@ -71,12 +75,15 @@ def test_jax_model_parallel_matches_single_device_and_shards_state(name):
     _require_jax_devices()
     single = _weights(_train(OPTIMIZERS[name])[0])
 
-    mesh = keras.distribution.DeviceMesh((2, 4), ("batch", "model"), keras.distribution.list_devices())
+    mesh = keras.distribution.DeviceMesh(
+        (2, 4), ("batch", "model"), keras.distribution.list_devices()
+    )
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map[".*embedding/embeddings"] = ("model", None)
     layout_map[".*dense/kernel"] = (None, "model")
     model, optimizer = _train(
-        OPTIMIZERS[name], keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+        OPTIMIZERS[name],
+        keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"),
     )
 
     for got, want in zip(_weights(model), single):
@@ -106,10 +113,14 @@ def test_jax_layout_map_matching_the_optimizers_scalars_is_refused(name):
     """'.*embedding.*' also matches `embedding_adam/iteration` (and '.*' everything): a
     sharded layout for a scalar, which JAX would refuse with an IndexError deep inside."""
     _require_jax_devices()
-    mesh = keras.distribution.DeviceMesh((2, 4), ("model", "batch"), keras.distribution.list_devices())
+    mesh = keras.distribution.DeviceMesh(
+        (2, 4), ("model", "batch"), keras.distribution.list_devices()
+    )
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map[".*embedding.*" if name == "embedding_adam" else ".*"] = ("model", None)
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    )
     try:
         with pytest.raises(ValueError, match="LayoutMap gives .*iteration"):
             OPTIMIZERS[name]()
@@ -125,25 +136,45 @@ def test_jax_layout_map_matching_the_optimizers_scalars_is_refused(name):
         # Aimed at the state, not the kernel: a row statistic is rank 1.
         ("adafactor", ".*dense_kernel.*", ("model", None), "dense_kernel_row_second_moment"),
         # The right rank, but apart from the table's own (replicated) layout.
-        ("embedding_adam", ".*embedding_embeddings_momenta", ("model", None), "embedding_embeddings_momenta"),
-        ("embedding_adam", ".*_velocities", (None, None, "model"), "embedding_embeddings_velocities"),
+        (
+            "embedding_adam",
+            ".*embedding_embeddings_momenta",
+            ("model", None),
+            "embedding_embeddings_momenta",
+        ),
+        (
+            "embedding_adam",
+            ".*_velocities",
+            (None, None, "model"),
+            "embedding_embeddings_velocities",
+        ),
     ],
 )
 def test_jax_layout_map_laying_out_state_apart_from_its_variable_is_refused(name, key, axes, state):
     """Our state follows its model variable's layout; a key that matches only state would
     be ignored (or have the wrong rank): refused at build, before any variable is created."""
     _require_jax_devices()
-    mesh = keras.distribution.DeviceMesh((2, 4), ("model", "batch"), keras.distribution.list_devices())
+    mesh = keras.distribution.DeviceMesh(
+        (2, 4), ("model", "batch"), keras.distribution.list_devices()
+    )
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map[key] = axes
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    )
     try:
         model = _model()
         optimizer = OPTIMIZERS[name]()
-        with pytest.raises(ValueError, match=rf"LayoutMap key .* gives .*'{optimizer.name}/\w*{state}'.*Nothing was built"):
+        with pytest.raises(
+            ValueError,
+            match=rf"LayoutMap key .* gives .*'{optimizer.name}/\w*{state}'.*Nothing was built",
+        ):
             optimizer.build(model.trainable_variables)
         assert not optimizer.built
-        assert sorted(v.path.split("/")[-1] for v in optimizer.variables) == ["iteration", "learning_rate"]
+        assert sorted(v.path.split("/")[-1] for v in optimizer.variables) == [
+            "iteration",
+            "learning_rate",
+        ]
         del layout_map[key]  # fixed: the same optimizer builds
         optimizer.build(model.trainable_variables)
         assert optimizer.built and len(optimizer.variables) > 2
@@ -155,10 +186,14 @@ def test_jax_layout_map_key_matching_a_variable_and_its_state_is_the_variables()
     """'.*dense[/_]kernel.*' matches '.../dense/kernel' and 'adafactor/..._dense_kernel_row_second_moment'
     (with a layout of the wrong rank): the key is the kernel's, and the state follows it (no error)."""
     _require_jax_devices()
-    mesh = keras.distribution.DeviceMesh((2, 4), ("model", "batch"), keras.distribution.list_devices())
+    mesh = keras.distribution.DeviceMesh(
+        (2, 4), ("model", "batch"), keras.distribution.list_devices()
+    )
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map[".*dense[/_]kernel.*"] = (None, "model")
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    )
     try:
         model = _model()
         optimizer = kto.Adafactor(learning_rate=0.01, beta_1=0.9)
@@ -183,7 +218,9 @@ def test_jax_data_parallel_matches_single_device(name):
 def test_tf_mirrored_strategy_matches_single_device():
     """MirroredStrategy over two logical CPU devices (tests/conftest.py) against the default strategy."""
     if BACKEND != "tensorflow":
-        pytest.skip(f"tf.distribute.MirroredStrategy needs the TensorFlow backend; this run is {BACKEND}")
+        pytest.skip(
+            f"tf.distribute.MirroredStrategy needs the TensorFlow backend; this run is {BACKEND}"
+        )
     import tensorflow as tf
     from _mirrored import mirrored_strategy
 
@@ -193,7 +230,9 @@ def test_tf_mirrored_strategy_matches_single_device():
             model = _model()
             model.compile(optimizer=OPTIMIZERS[name](), loss="mse")
         ids, targets = _data()
-        model.fit(ids, targets, batch_size=16, epochs=1, steps_per_epoch=STEPS, verbose=0, shuffle=False)
+        model.fit(
+            ids, targets, batch_size=16, epochs=1, steps_per_epoch=STEPS, verbose=0, shuffle=False
+        )
         return _weights(model)
 
     for name in sorted(OPTIMIZERS):

@@ -51,7 +51,11 @@ def initial_table(shape=(ROWS, DIM), seed=0, dtype=np.float32):
 
 
 def step_values(ids, seed, trailing_shape=(DIM,)):
-    return np.random.default_rng(seed).normal(0.0, 0.5, size=(len(ids),) + trailing_shape).astype(np.float32)
+    return (
+        np.random.default_rng(seed)
+        .normal(0.0, 0.5, size=(len(ids),) + trailing_shape)
+        .astype(np.float32)
+    )
 
 
 def densify(ids, values, shape):
@@ -119,17 +123,31 @@ def state(optimizer, variable):
 
 def assert_matches_reference(optimizer, variable, reference, rtol=1e-5, atol=1e-6):
     weights, momenta, velocities = state(optimizer, variable)
-    np.testing.assert_allclose(weights, reference.weights.astype(np.float64), rtol=rtol, atol=atol, err_msg="weights")
+    np.testing.assert_allclose(
+        weights, reference.weights.astype(np.float64), rtol=rtol, atol=atol, err_msg="weights"
+    )
     np.testing.assert_allclose(momenta, reference.momenta, rtol=rtol, atol=atol, err_msg="momenta")
-    np.testing.assert_allclose(velocities, reference.velocities, rtol=rtol, atol=atol, err_msg="velocities")
+    np.testing.assert_allclose(
+        velocities, reference.velocities, rtol=rtol, atol=atol, err_msg="velocities"
+    )
     if getattr(optimizer, "bias_correction", "global") == "per_row":
         row_steps = slot(optimizer, variable, "row_steps")
         assert keras.backend.standardize_dtype(row_steps.dtype) == "int32"
-        np.testing.assert_array_equal(ops.convert_to_numpy(row_steps), reference.row_steps, err_msg="row_steps")
+        np.testing.assert_array_equal(
+            ops.convert_to_numpy(row_steps), reference.row_steps, err_msg="row_steps"
+        )
 
 
-def run_against_reference(options, kind, *, shape=(ROWS, DIM), steps=STEP_IDS, reference_options=None,
-                          learning_rate=0.05, reference_learning_rate=None):
+def run_against_reference(
+    options,
+    kind,
+    *,
+    shape=(ROWS, DIM),
+    steps=STEP_IDS,
+    reference_options=None,
+    learning_rate=0.05,
+    reference_learning_rate=None,
+):
     init = initial_table(shape)
     variable = keras.Variable(init, name="table")
     optimizer = kto.EmbeddingAdam(learning_rate=learning_rate, **options)
@@ -161,22 +179,42 @@ OPTION_CASES = {
     "clip_weight_max": {"clip_weight_max": 0.06},
     "clip_weight_both": {"clip_weight_min": -0.07, "clip_weight_max": 0.05},
     "weight_decay_factor": {"weight_decay_factor": 0.3},
-    "weight_decay_factor_lr_false": {"weight_decay_factor": 0.3, "multiply_weight_decay_factor_by_learning_rate": False},
-    "weight_decay_factor_times_lr": {"weight_decay_factor": 2.0, "multiply_weight_decay_factor_by_learning_rate": True},
+    "weight_decay_factor_lr_false": {
+        "weight_decay_factor": 0.3,
+        "multiply_weight_decay_factor_by_learning_rate": False,
+    },
+    "weight_decay_factor_times_lr": {
+        "weight_decay_factor": 2.0,
+        "multiply_weight_decay_factor_by_learning_rate": True,
+    },
     "betas": {"beta_1": 0.5, "beta_2": 0.8},
     "beta_1_zero": {"beta_1": 0.0},
     "not_lazy": {"lazy_adam": False},
     "not_lazy_all_options": {
-        "lazy_adam": False, "sum_inside_sqrt": False, "epsilon": 0.01, "clipvalue": (-0.3, None),
-        "clip_weight_max": 0.07, "weight_decay_factor": 1.5, "multiply_weight_decay_factor_by_learning_rate": True,
+        "lazy_adam": False,
+        "sum_inside_sqrt": False,
+        "epsilon": 0.01,
+        "clipvalue": (-0.3, None),
+        "clip_weight_max": 0.07,
+        "weight_decay_factor": 1.5,
+        "multiply_weight_decay_factor_by_learning_rate": True,
     },
     "all_options": {
-        "beta_1": 0.8, "beta_2": 0.95, "epsilon": 0.01, "sum_inside_sqrt": False, "clipvalue": (None, 0.3),
-        "clip_weight_min": -0.09, "clip_weight_max": 0.08, "weight_decay_factor": 0.2,
+        "beta_1": 0.8,
+        "beta_2": 0.95,
+        "epsilon": 0.01,
+        "sum_inside_sqrt": False,
+        "clipvalue": (None, 0.3),
+        "clip_weight_min": -0.09,
+        "clip_weight_max": 0.08,
+        "weight_decay_factor": 0.2,
         "multiply_weight_decay_factor_by_learning_rate": False,
     },
     "all_options_inside_sqrt": {
-        "epsilon": 0.02, "clipvalue": 0.35, "clip_weight_min": -0.06, "weight_decay_factor": 1.0,
+        "epsilon": 0.02,
+        "clipvalue": 0.35,
+        "clip_weight_min": -0.06,
+        "weight_decay_factor": 1.0,
         "multiply_weight_decay_factor_by_learning_rate": True,
     },
     # Rowwise second moment, per-row bias correction, and both with every other option.
@@ -186,17 +224,32 @@ OPTION_CASES = {
     "per_row": {"bias_correction": "per_row"},
     "per_row_betas": {"bias_correction": "per_row", "beta_1": 0.5, "beta_2": 0.8},
     "per_row_beta_1_zero": {"bias_correction": "per_row", "beta_1": 0.0},
-    "per_row_decay_times_lr": {"bias_correction": "per_row", "weight_decay_factor": 2.0,
-                               "multiply_weight_decay_factor_by_learning_rate": True},
-    "rowwise_per_row": {"second_moment": "rowwise", "bias_correction": "per_row"},
-    "rowwise_per_row_all_options": {
-        "second_moment": "rowwise", "bias_correction": "per_row",
-        "beta_1": 0.8, "beta_2": 0.95, "epsilon": 0.01, "sum_inside_sqrt": False, "clipvalue": (None, 0.3),
-        "clip_weight_min": -0.09, "clip_weight_max": 0.08, "weight_decay_factor": 1.5,
+    "per_row_decay_times_lr": {
+        "bias_correction": "per_row",
+        "weight_decay_factor": 2.0,
         "multiply_weight_decay_factor_by_learning_rate": True,
     },
-    "not_lazy_rowwise_per_row": {"lazy_adam": False, "second_moment": "rowwise", "bias_correction": "per_row",
-                                 "weight_decay_factor": 1.5, "multiply_weight_decay_factor_by_learning_rate": True},
+    "rowwise_per_row": {"second_moment": "rowwise", "bias_correction": "per_row"},
+    "rowwise_per_row_all_options": {
+        "second_moment": "rowwise",
+        "bias_correction": "per_row",
+        "beta_1": 0.8,
+        "beta_2": 0.95,
+        "epsilon": 0.01,
+        "sum_inside_sqrt": False,
+        "clipvalue": (None, 0.3),
+        "clip_weight_min": -0.09,
+        "clip_weight_max": 0.08,
+        "weight_decay_factor": 1.5,
+        "multiply_weight_decay_factor_by_learning_rate": True,
+    },
+    "not_lazy_rowwise_per_row": {
+        "lazy_adam": False,
+        "second_moment": "rowwise",
+        "bias_correction": "per_row",
+        "weight_decay_factor": 1.5,
+        "multiply_weight_decay_factor_by_learning_rate": True,
+    },
 }
 
 
@@ -209,7 +262,11 @@ def test_options_match_numpy_reference(options, kind):
 @pytest.mark.parametrize("kind", GRAD_KINDS)
 @pytest.mark.parametrize(
     "options",
-    [{}, {"weight_decay_factor": 0.5, "clipvalue": (-0.2, 0.3), "clip_weight_max": 0.05}, {"lazy_adam": False}],
+    [
+        {},
+        {"weight_decay_factor": 0.5, "clipvalue": (-0.2, 0.3), "clip_weight_max": 0.05},
+        {"lazy_adam": False},
+    ],
     ids=["defaults", "decay_and_clipping", "not_lazy"],
 )
 def test_rank_1_variable_rows_are_elements(options, kind):
@@ -220,8 +277,12 @@ def test_rank_1_variable_rows_are_elements(options, kind):
 @pytest.mark.parametrize("kind", GRAD_KINDS)
 @pytest.mark.parametrize("sum_inside_sqrt", [True, False])
 def test_learning_rate_schedule_over_several_steps(kind, sum_inside_sqrt):
-    options = {"sum_inside_sqrt": sum_inside_sqrt, "epsilon": 0.01, "weight_decay_factor": 1.0,
-               "multiply_weight_decay_factor_by_learning_rate": True}
+    options = {
+        "sum_inside_sqrt": sum_inside_sqrt,
+        "epsilon": 0.01,
+        "weight_decay_factor": 1.0,
+        "multiply_weight_decay_factor_by_learning_rate": True,
+    }
     optimizer, _, reference = run_against_reference(
         options, kind, learning_rate=make_schedule(), reference_learning_rate=schedule_reference
     )
@@ -250,11 +311,17 @@ def test_zero_argument_callable_learning_rate():
 
 @pytest.mark.parametrize("sum_inside_sqrt", [True, False])
 def test_duplicate_ids_without_accumulation_last_occurrence_wins(sum_inside_sqrt):
-    options = {"use_gradient_accumulation": False, "sum_inside_sqrt": sum_inside_sqrt,
-               "weight_decay_factor": 0.4, "clip_weight_min": -0.09}
+    options = {
+        "use_gradient_accumulation": False,
+        "sum_inside_sqrt": sum_inside_sqrt,
+        "weight_decay_factor": 0.4,
+        "clip_weight_min": -0.09,
+    }
     _, _, reference = run_against_reference(options, "sparse")
     # The test discriminates: summing the duplicates would give other numbers.
-    summed = NumpyEmbeddingAdam(initial_table(), learning_rate=0.05, **{**options, "use_gradient_accumulation": True})
+    summed = NumpyEmbeddingAdam(
+        initial_table(), learning_rate=0.05, **{**options, "use_gradient_accumulation": True}
+    )
     for seed, ids in enumerate(STEP_IDS):
         summed.apply_sparse(ids, step_values(ids, seed))
     assert not np.allclose(summed.weights, reference.weights, rtol=1e-4, atol=1e-5)
@@ -263,10 +330,14 @@ def test_duplicate_ids_without_accumulation_last_occurrence_wins(sum_inside_sqrt
 def test_duplicate_ids_with_accumulation_equal_their_dense_sum():
     _, sparse_variable, _ = run_against_reference({"clipvalue": 0.4}, "sparse")
     _, dense_variable, _ = run_against_reference({"clipvalue": 0.4}, "dense")
-    np.testing.assert_allclose(to_numpy(sparse_variable), to_numpy(dense_variable), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        to_numpy(sparse_variable), to_numpy(dense_variable), rtol=1e-6, atol=1e-7
+    )
 
 
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="int64 IndexedSlices indices are a TensorFlow gradient type")
+@pytest.mark.skipif(
+    BACKEND != "tensorflow", reason="int64 IndexedSlices indices are a TensorFlow gradient type"
+)
 def test_int64_indexed_slices():
     import tensorflow as tf
 
@@ -276,7 +347,9 @@ def test_int64_indexed_slices():
     reference = NumpyEmbeddingAdam(init, learning_rate=0.05)
     for seed, ids in enumerate(STEP_IDS[:3]):
         values = step_values(ids, seed)
-        gradient = tf.IndexedSlices(tf.constant(values), tf.constant(ids, tf.int64), tf.constant(init.shape, tf.int64))
+        gradient = tf.IndexedSlices(
+            tf.constant(values), tf.constant(ids, tf.int64), tf.constant(init.shape, tf.int64)
+        )
         optimizer.apply([gradient], [variable])
         reference.apply_sparse(ids, values)
     assert_matches_reference(optimizer, variable, reference)
@@ -284,8 +357,13 @@ def test_int64_indexed_slices():
 
 # --------------------------------------------------------------------------- laziness
 
-LAZY_OPTIONS = {"weight_decay_factor": 0.5, "clipvalue": (-0.3, 0.2), "clip_weight_min": -0.2,
-                "clip_weight_max": 0.2, "epsilon": 0.01}
+LAZY_OPTIONS = {
+    "weight_decay_factor": 0.5,
+    "clipvalue": (-0.3, 0.2),
+    "clip_weight_min": -0.2,
+    "clip_weight_max": 0.2,
+    "epsilon": 0.01,
+}
 
 
 def _lazy_cases():
@@ -303,7 +381,9 @@ def _lazy_cases():
 
 
 @pytest.mark.parametrize("kind,max_touched_rows,rank,use_gradient_accumulation", _lazy_cases())
-def test_untouched_rows_keep_weights_and_slots_bit_for_bit(kind, max_touched_rows, rank, use_gradient_accumulation):
+def test_untouched_rows_keep_weights_and_slots_bit_for_bit(
+    kind, max_touched_rows, rank, use_gradient_accumulation
+):
     options = dict(LAZY_OPTIONS)
     if not use_gradient_accumulation:
         options.pop("clipvalue")
@@ -323,14 +403,18 @@ def test_untouched_rows_keep_weights_and_slots_bit_for_bit(kind, max_touched_row
         untouched = np.setdiff1d(np.arange(ROWS), ids)
         touched = np.unique(ids)
         for name, old, new in zip(("weights", "momenta", "velocities"), before, after):
-            np.testing.assert_array_equal(new[untouched], old[untouched], err_msg=f"untouched {name} changed")
+            np.testing.assert_array_equal(
+                new[untouched], old[untouched], err_msg=f"untouched {name} changed"
+            )
             assert not np.array_equal(new[touched], old[touched]), f"touched {name} did not change"
 
 
 def test_dense_gradient_row_with_one_nonzero_entry_is_touched():
     init = initial_table()
     gradient = np.zeros(init.shape, np.float32)
-    gradient[2, 1] = 0.7  # one non-zero entry: row 2 is updated, all of it (weight decay, momenta of zeros)
+    gradient[2, 1] = (
+        0.7  # one non-zero entry: row 2 is updated, all of it (weight decay, momenta of zeros)
+    )
     gradient[5, :] = [0.1, -0.2, 0.3]
     variable = keras.Variable(init, name="table")
     options = {"weight_decay_factor": 0.5}
@@ -340,11 +424,16 @@ def test_dense_gradient_row_with_one_nonzero_entry_is_touched():
     reference.apply_dense(gradient)
     assert_matches_reference(optimizer, variable, reference)
     weights = to_numpy(variable)
-    assert not np.array_equal(weights[2], init[2])  # decay moved the zero-gradient entries of row 2 too
-    np.testing.assert_array_equal(np.delete(weights, [2, 5], axis=0), np.delete(init, [2, 5], axis=0))
+    assert not np.array_equal(
+        weights[2], init[2]
+    )  # decay moved the zero-gradient entries of row 2 too
+    np.testing.assert_array_equal(
+        np.delete(weights, [2, 5], axis=0), np.delete(init, [2, 5], axis=0)
+    )
 
 
 # --------------------------------------------------------------------------- other references
+
 
 def tfa_lazy_adam(weights, steps, learning_rate, beta_1, beta_2, epsilon):
     """TF Addons LazyAdam, from its published formula (sparse update on the gradient's unique rows).
@@ -370,7 +459,9 @@ def tfa_lazy_adam(weights, steps, learning_rate, beta_1, beta_2, epsilon):
 def test_sum_outside_sqrt_matches_tf_addons_lazy_adam(kind):
     init = initial_table()
     variable = keras.Variable(init, name="table")
-    optimizer = kto.EmbeddingAdam(learning_rate=0.05, beta_1=0.8, beta_2=0.9, epsilon=0.02, sum_inside_sqrt=False)
+    optimizer = kto.EmbeddingAdam(
+        learning_rate=0.05, beta_1=0.8, beta_2=0.9, epsilon=0.02, sum_inside_sqrt=False
+    )
     steps = []
     for seed, ids in enumerate(STEP_IDS):
         values = step_values(ids, seed)
@@ -380,7 +471,9 @@ def test_sum_outside_sqrt_matches_tf_addons_lazy_adam(kind):
     np.testing.assert_allclose(to_numpy(variable), expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(BACKEND != "torch", reason="torch.optim.SparseAdam is the torch backend's reference")
+@pytest.mark.skipif(
+    BACKEND != "torch", reason="torch.optim.SparseAdam is the torch backend's reference"
+)
 @pytest.mark.parametrize("kind", ["sparse", "dense"])
 def test_matches_torch_sparse_adam(kind):
     # torch 2.13 SparseAdam (torch/optim/_functional.py::sparse_adam): coalesces (sums
@@ -395,21 +488,31 @@ def test_matches_torch_sparse_adam(kind):
     param = torch.nn.Parameter(torch.tensor(init))
     torch_optimizer = torch.optim.SparseAdam([param], lr=lr, betas=betas, eps=eps)
     variable = keras.Variable(init, name="table")
-    optimizer = kto.EmbeddingAdam(learning_rate=lr, beta_1=betas[0], beta_2=betas[1], epsilon=eps,
-                                  sum_inside_sqrt=False)
+    optimizer = kto.EmbeddingAdam(
+        learning_rate=lr, beta_1=betas[0], beta_2=betas[1], epsilon=eps, sum_inside_sqrt=False
+    )
     for seed, ids in enumerate(STEP_IDS):
         values = step_values(ids, seed)
-        sparse = torch.sparse_coo_tensor(torch.tensor(ids)[None], torch.tensor(values), size=init.shape,
-                                         check_invariants=True)
+        sparse = torch.sparse_coo_tensor(
+            torch.tensor(ids)[None], torch.tensor(values), size=init.shape, check_invariants=True
+        )
         param.grad = sparse
         torch_optimizer.step()
         optimizer.apply([make_gradient(kind, ids, values, init.shape)], [variable])
         np.testing.assert_allclose(to_numpy(variable), param.detach().numpy(), rtol=1e-5, atol=1e-6)
         torch_state = torch_optimizer.state[param]
-        np.testing.assert_allclose(to_numpy(slot(optimizer, variable, "momenta")),
-                                   torch_state["exp_avg"].numpy(), rtol=1e-5, atol=1e-7)
-        np.testing.assert_allclose(to_numpy(slot(optimizer, variable, "velocities")),
-                                   torch_state["exp_avg_sq"].numpy(), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(
+            to_numpy(slot(optimizer, variable, "momenta")),
+            torch_state["exp_avg"].numpy(),
+            rtol=1e-5,
+            atol=1e-7,
+        )
+        np.testing.assert_allclose(
+            to_numpy(slot(optimizer, variable, "velocities")),
+            torch_state["exp_avg_sq"].numpy(),
+            rtol=1e-5,
+            atol=1e-7,
+        )
 
 
 @pytest.mark.parametrize("kind", GRAD_KINDS)
@@ -421,8 +524,14 @@ def test_not_lazy_matches_keras_adam(kind, learning_rate):
     ours_variable = keras.Variable(init, name="table")
     keras_variable = keras.Variable(init, name="table")
     rate = (lambda: make_schedule()) if learning_rate == "schedule" else (lambda: 0.05)
-    ours = kto.EmbeddingAdam(learning_rate=rate(), beta_1=0.85, beta_2=0.97, epsilon=0.01,
-                             lazy_adam=False, sum_inside_sqrt=False)
+    ours = kto.EmbeddingAdam(
+        learning_rate=rate(),
+        beta_1=0.85,
+        beta_2=0.97,
+        epsilon=0.01,
+        lazy_adam=False,
+        sum_inside_sqrt=False,
+    )
     reference = keras.optimizers.Adam(learning_rate=rate(), beta_1=0.85, beta_2=0.97, epsilon=0.01)
     for seed, ids in enumerate(STEP_IDS):
         values = step_values(ids, seed)
@@ -437,6 +546,7 @@ def test_not_lazy_matches_keras_adam(kind, learning_rate):
 
 # --------------------------------------------------------------------------- Keras base keywords
 
+
 def _two_variables():
     table = initial_table(seed=1)
     excluded = initial_table((ROWS, 2), seed=2)
@@ -449,16 +559,22 @@ def test_keras_weight_decay_is_lazy_decay_times_lr_t_and_honours_exclusions():
     excluded = keras.Variable(excluded_init, name="excluded")
     optimizer = kto.EmbeddingAdam(learning_rate=make_schedule(), weight_decay=2.0)
     optimizer.exclude_from_weight_decay(var_names=["excluded"])
-    table_ref = NumpyEmbeddingAdam(table_init, learning_rate=schedule_reference, weight_decay_factor=2.0,
-                                   multiply_weight_decay_factor_by_learning_rate=True)
+    table_ref = NumpyEmbeddingAdam(
+        table_init,
+        learning_rate=schedule_reference,
+        weight_decay_factor=2.0,
+        multiply_weight_decay_factor_by_learning_rate=True,
+    )
     excluded_ref = NumpyEmbeddingAdam(excluded_init, learning_rate=schedule_reference)
     for seed, ids in enumerate(STEP_IDS):
         values = step_values(ids, seed)
         other_ids = ids[::-1][:2]
         other_values = step_values(other_ids, 100 + seed, (2,))
         optimizer.apply(
-            [make_gradient("dense", ids, values, table_init.shape),
-             make_gradient("dense", other_ids, other_values, excluded_init.shape)],
+            [
+                make_gradient("dense", ids, values, table_init.shape),
+                make_gradient("dense", other_ids, other_values, excluded_init.shape),
+            ],
             [table, excluded],
         )
         table_ref.apply_dense(densify(ids, values, table_init.shape))
@@ -471,8 +587,9 @@ def test_use_ema_with_overwrite_frequency():
     init = initial_table()
     momentum, frequency = 0.8, 3
     variable = keras.Variable(init, name="table")
-    optimizer = kto.EmbeddingAdam(learning_rate=0.05, use_ema=True, ema_momentum=momentum,
-                                  ema_overwrite_frequency=frequency)
+    optimizer = kto.EmbeddingAdam(
+        learning_rate=0.05, use_ema=True, ema_momentum=momentum, ema_overwrite_frequency=frequency
+    )
     reference = NumpyEmbeddingAdam(init, learning_rate=0.05)
     average = None
     steps = STEP_IDS + STEP_IDS[:1]
@@ -493,12 +610,20 @@ def test_use_ema_with_overwrite_frequency():
 def test_gradient_accumulation_steps_equal_one_step_on_the_mean(steps):
     init = initial_table()
     variable = keras.Variable(init, name="table")
-    optimizer = kto.EmbeddingAdam(learning_rate=make_schedule(), gradient_accumulation_steps=steps,
-                                  weight_decay_factor=0.5, clipvalue=0.4)
+    optimizer = kto.EmbeddingAdam(
+        learning_rate=make_schedule(),
+        gradient_accumulation_steps=steps,
+        weight_decay_factor=0.5,
+        clipvalue=0.4,
+    )
     # As for every Keras optimizer: `iterations` (bias correction) counts updates, while a
     # schedule is evaluated at the micro-batch counter, k * update + k - 1 at update `update`.
-    reference = NumpyEmbeddingAdam(init, learning_rate=lambda update: schedule_reference(steps * update + steps - 1),
-                                   weight_decay_factor=0.5, clipvalue=0.4)
+    reference = NumpyEmbeddingAdam(
+        init,
+        learning_rate=lambda update: schedule_reference(steps * update + steps - 1),
+        weight_decay_factor=0.5,
+        clipvalue=0.4,
+    )
     micro_batches = [STEP_IDS[i] for i in range(2 * steps)]
     collected = []
     for position, ids in enumerate(micro_batches):
@@ -520,7 +645,9 @@ def test_loss_scale_factor_unscales_gradients(kind):
     init = initial_table()
     scale = 1024.0
     variable = keras.Variable(init, name="table")
-    optimizer = kto.EmbeddingAdam(learning_rate=0.05, loss_scale_factor=scale, clipvalue=(-0.25, 0.3))
+    optimizer = kto.EmbeddingAdam(
+        learning_rate=0.05, loss_scale_factor=scale, clipvalue=(-0.25, 0.3)
+    )
     reference = NumpyEmbeddingAdam(init, learning_rate=0.05, clipvalue=(-0.25, 0.3))
     for seed, ids in enumerate(STEP_IDS):
         values = step_values(ids, seed)
@@ -532,9 +659,12 @@ def test_loss_scale_factor_unscales_gradients(kind):
 def test_clipnorm_then_clipvalue():
     init = initial_table()
     variable = keras.Variable(init, name="table")
-    optimizer = kto.EmbeddingAdam(learning_rate=0.05, clipnorm=0.6, clipvalue=(-0.2, None), weight_decay_factor=0.3)
-    reference = NumpyEmbeddingAdam(init, learning_rate=0.05, clipnorm=0.6, clipvalue=(-0.2, None),
-                                   weight_decay_factor=0.3)
+    optimizer = kto.EmbeddingAdam(
+        learning_rate=0.05, clipnorm=0.6, clipvalue=(-0.2, None), weight_decay_factor=0.3
+    )
+    reference = NumpyEmbeddingAdam(
+        init, learning_rate=0.05, clipnorm=0.6, clipvalue=(-0.2, None), weight_decay_factor=0.3
+    )
     for seed, ids in enumerate(STEP_IDS):
         values = step_values(ids, seed)
         optimizer.apply([make_gradient("dense", ids, values, init.shape)], [variable])
@@ -553,7 +683,9 @@ def test_global_clipnorm():
         g1 = densify(ids, step_values(ids, seed), table_init.shape)
         g2 = densify(ids[:2], step_values(ids[:2], 50 + seed, (2,)), other_init.shape)
         optimizer.apply([ops.convert_to_tensor(g1), ops.convert_to_tensor(g2)], [table, other])
-        norm = math.sqrt(np.sum(np.square(g1, dtype=np.float64)) + np.sum(np.square(g2, dtype=np.float64)))
+        norm = math.sqrt(
+            np.sum(np.square(g1, dtype=np.float64)) + np.sum(np.square(g2, dtype=np.float64))
+        )
         factor = 0.5 / max(norm, 0.5)
         table_ref.apply_dense(g1 * factor)
         other_ref.apply_dense(g2 * factor)
@@ -570,6 +702,7 @@ def test_clipnorm_reference_is_active():
 
 
 # --------------------------------------------------------------------------- dtypes
+
 
 def _bfloat16():
     import ml_dtypes
@@ -598,7 +731,9 @@ def test_table_dtypes(dtype, kind):
     weights, momenta, velocities = state(optimizer, variable)
     expected = reference.weights.astype(np.float64)
     # A few roundings of the stored weight, each at most one unit in the last place.
-    np.testing.assert_allclose(weights, expected, rtol=4 * ulp, atol=1e-6 if dtype == "float32" else 4 * ulp * 0.1)
+    np.testing.assert_allclose(
+        weights, expected, rtol=4 * ulp, atol=1e-6 if dtype == "float32" else 4 * ulp * 0.1
+    )
     # Slots stay float32: without weights in their formula they match to float32 round-off.
     np.testing.assert_allclose(momenta, reference.momenta, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(velocities, reference.velocities, rtol=1e-5, atol=1e-7)
@@ -606,10 +741,17 @@ def test_table_dtypes(dtype, kind):
 
 # --------------------------------------------------------------------------- XLA
 
-XLA_OPTIONS = {"weight_decay_factor": 0.5, "clipvalue": (-0.3, 0.25), "clip_weight_max": 0.07, "epsilon": 0.01}
+XLA_OPTIONS = {
+    "weight_decay_factor": 0.5,
+    "clipvalue": (-0.3, 0.25),
+    "clip_weight_max": 0.07,
+    "epsilon": 0.01,
+}
 
 
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.function(jit_compile=True) is TensorFlow's XLA path")
+@pytest.mark.skipif(
+    BACKEND != "tensorflow", reason="tf.function(jit_compile=True) is TensorFlow's XLA path"
+)
 @pytest.mark.parametrize("use_gradient_accumulation", [True, False])
 @pytest.mark.parametrize("ids_dtype", ["int32", "int64"])
 def test_tensorflow_xla_with_indexed_slices(use_gradient_accumulation, ids_dtype):
@@ -638,7 +780,9 @@ def test_tensorflow_xla_with_indexed_slices(use_gradient_accumulation, ids_dtype
         assert_matches_reference(optimizer, variable, reference)
 
 
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.function(jit_compile=True) is TensorFlow's XLA path")
+@pytest.mark.skipif(
+    BACKEND != "tensorflow", reason="tf.function(jit_compile=True) is TensorFlow's XLA path"
+)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("rank", [1, 2])
 def test_tensorflow_xla_sums_duplicates_in_the_table_without_copying_it(dtype, rank):
@@ -668,9 +812,9 @@ def test_tensorflow_xla_sums_duplicates_in_the_table_without_copying_it(dtype, r
         values = values if rank == 2 else values[:, 0]
         return np.asarray(ids, np.int64), values.astype(numpy_dtype)
 
-    hlo = train_step.experimental_get_compiler_ir(*(tf.constant(a) for a in arguments(STEP_IDS[0], 0)))(
-        stage="optimized_hlo"
-    )
+    hlo = train_step.experimental_get_compiler_ir(
+        *(tf.constant(a) for a in arguments(STEP_IDS[0], 0))
+    )(stage="optimized_hlo")
     table_shape = ",".join(str(d) for d in init.shape)
     copies = [line for line in hlo.splitlines() if f"[{table_shape}]" in line and " copy(" in line]
     assert not copies, "the compiled step copies a table:\n" + "\n".join(copies)
@@ -682,13 +826,17 @@ def test_tensorflow_xla_sums_duplicates_in_the_table_without_copying_it(dtype, r
         reference.apply_sparse(ids_np, values.astype(np.float32))
         ulp = 2.0**-7 if dtype == "bfloat16" else 2.0**-23
         weights, momenta, velocities = state(optimizer, variable)
-        np.testing.assert_allclose(weights, reference.weights.astype(np.float64), rtol=4 * ulp, atol=1e-6)
+        np.testing.assert_allclose(
+            weights, reference.weights.astype(np.float64), rtol=4 * ulp, atol=1e-6
+        )
         np.testing.assert_allclose(momenta, reference.momenta, rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(velocities, reference.velocities, rtol=1e-5, atol=1e-7)
         untouched = np.setdiff1d(np.arange(init.shape[0]), ids_np)
         for old, new in zip(before, (weights, momenta, velocities)):
             np.testing.assert_array_equal(new[untouched], old[untouched])
-    assert np.all(np.isnan(weights[5])) and np.all(np.isfinite(momenta[5])) and np.any(momenta[5] != 0)
+    assert (
+        np.all(np.isnan(weights[5])) and np.all(np.isfinite(momenta[5])) and np.any(momenta[5] != 0)
+    )
 
 
 ROW_SLOT_OPTIONS = {
@@ -700,7 +848,9 @@ ROW_SLOT_OPTIONS = {
 
 def _copies_of_rows(hlo: str, rows: int) -> list:
     """The lines of an optimized HLO module that copy an array of `rows` rows (a table or a `(rows,)` slot)."""
-    return [line for line in hlo.splitlines() if " copy(" in line and re.search(rf"\[{rows}[,\]]", line)]
+    return [
+        line for line in hlo.splitlines() if " copy(" in line and re.search(rf"\[{rows}[,\]]", line)
+    ]
 
 
 @pytest.mark.skipif(BACKEND == "torch", reason="torch runs eagerly: no compiler to insert copies")
@@ -729,13 +879,18 @@ def test_compiled_row_update_copies_no_table_or_row_slot(case):
 
         @tf.function(jit_compile=True)
         def train_step(ids, values):
-            optimizer.apply([tf.IndexedSlices(values, ids, dense_shape=tf.constant([rows, dim], tf.int64))], [variable])
+            optimizer.apply(
+                [tf.IndexedSlices(values, ids, dense_shape=tf.constant([rows, dim], tf.int64))],
+                [variable],
+            )
 
         arguments = (tf.constant(ids, tf.int64), tf.constant(values))
         hlo = train_step.experimental_get_compiler_ir(*arguments)(stage="optimized_hlo")
         train_step(*arguments)
     else:
-        from bench_common import jit_stateless_apply  # as Keras's trainer: state donated, returned in input order
+        from bench_common import (
+            jit_stateless_apply,
+        )  # as Keras's trainer: state donated, returned in input order
         from jax.experimental import sparse as jax_sparse
 
         gradient = jax_sparse.BCOO((values, np.asarray(ids, np.int32)[:, None]), shape=(rows, dim))
@@ -754,7 +909,9 @@ def test_compiled_row_update_copies_no_table_or_row_slot(case):
     by_name = {v.name: v for v in optimizer.variables}
     expected_steps = np.zeros(rows, np.int32)
     expected_steps[ids] = 1
-    np.testing.assert_array_equal(ops.convert_to_numpy(by_name["table_average_steps"]), expected_steps)
+    np.testing.assert_array_equal(
+        ops.convert_to_numpy(by_name["table_average_steps"]), expected_steps
+    )
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="jax.jit(optimizer.stateless_apply) is JAX's XLA path")
@@ -766,7 +923,9 @@ def test_jax_jit_stateless_apply(max_touched_rows, rank):
     shape = (ROWS, DIM) if rank == 2 else (ROWS,)
     init = initial_table(shape)
     variable = keras.Variable(init, name="table")
-    optimizer = kto.EmbeddingAdam(learning_rate=make_schedule(), max_touched_rows=max_touched_rows, **XLA_OPTIONS)
+    optimizer = kto.EmbeddingAdam(
+        learning_rate=make_schedule(), max_touched_rows=max_touched_rows, **XLA_OPTIONS
+    )
     optimizer.build([variable])
     reference = NumpyEmbeddingAdam(init, learning_rate=schedule_reference, **XLA_OPTIONS)
     apply = jax.jit(optimizer.stateless_apply)
@@ -817,7 +976,9 @@ def test_jax_jit_bcoo_gradients_update_only_their_rows(use_gradient_accumulation
     for seed, ids in enumerate(STEP_IDS):
         values = step_values(ids, seed, shape[1:])
         values[-1] = 0.0  # an explicit zero still names its row
-        gradient = jax_sparse.BCOO((jnp.asarray(values), jnp.asarray(ids, jnp.int32)[:, None]), shape=shape)
+        gradient = jax_sparse.BCOO(
+            (jnp.asarray(values), jnp.asarray(ids, jnp.int32)[:, None]), shape=shape
+        )
         before = [np.array(v) for v in [trainable_values[0], *optimizer_values]]
         trainable_values, optimizer_values = apply(optimizer_values, [gradient], trainable_values)
         reference.apply_sparse(ids, values)
@@ -874,7 +1035,9 @@ def test_jax_rounds_on_a_table_of_many_words(max_touched_rows):
     shape = (100, 4)
     init = initial_table(shape)
     variable = keras.Variable(init, name="table")
-    optimizer = kto.EmbeddingAdam(learning_rate=0.01, max_touched_rows=max_touched_rows, **XLA_OPTIONS)
+    optimizer = kto.EmbeddingAdam(
+        learning_rate=0.01, max_touched_rows=max_touched_rows, **XLA_OPTIONS
+    )
     optimizer.build([variable])
     reference = NumpyEmbeddingAdam(init, learning_rate=0.01, **XLA_OPTIONS)
     apply = jax.jit(optimizer.stateless_apply)
@@ -883,7 +1046,9 @@ def test_jax_rounds_on_a_table_of_many_words(max_touched_rows):
     steps = [[0, 31, 32, 63, 64, 99, 31], list(range(0, 100, 3)), [99], list(range(100)) + [5, 5]]
     for seed, ids in enumerate(steps):
         gradient = densify(ids, step_values(ids, seed, shape[1:]), shape)
-        trainable_values, optimizer_values = apply(optimizer_values, [ops.convert_to_tensor(gradient)], trainable_values)
+        trainable_values, optimizer_values = apply(
+            optimizer_values, [ops.convert_to_tensor(gradient)], trainable_values
+        )
         reference.apply_dense(gradient)
     for target, value in zip(optimizer.variables, optimizer_values):
         target.assign(value)
@@ -904,9 +1069,15 @@ def test_slot_shapes_and_dtypes(second_moment, bias_correction, rank):
     variable = keras.Variable(initial_table(shape), name="table")
     optimizer = kto.EmbeddingAdam(second_moment=second_moment, bias_correction=bias_correction)
     optimizer.build([variable])
-    layout = {v.name: (tuple(v.shape), keras.backend.standardize_dtype(v.dtype)) for v in optimizer.variables}
+    layout = {
+        v.name: (tuple(v.shape), keras.backend.standardize_dtype(v.dtype))
+        for v in optimizer.variables
+    }
     assert layout["table_momenta"] == (shape, "float32")
-    assert layout["table_velocities"] == ((ROWS,) if second_moment == "rowwise" else shape, "float32")
+    assert layout["table_velocities"] == (
+        (ROWS,) if second_moment == "rowwise" else shape,
+        "float32",
+    )
     if bias_correction == "per_row":
         assert layout["table_row_steps"] == ((ROWS,), "int32")
     else:
@@ -923,6 +1094,7 @@ def test_slot_shapes_and_dtypes(second_moment, bias_correction, rank):
 @pytest.mark.backend_neutral
 def test_new_options_references_discriminate():
     """Guards: per-row correction and a rowwise v change the numbers of a lazy run (the tests above test something)."""
+
     def final(**options):
         reference = NumpyEmbeddingAdam(initial_table(), learning_rate=0.05, **options)
         for seed, ids in enumerate(STEP_IDS):
@@ -941,8 +1113,18 @@ def test_new_options_references_discriminate():
 @pytest.mark.parametrize("kind", GRAD_KINDS)
 @pytest.mark.parametrize(
     "options",
-    [{}, {"second_moment": "rowwise"}, {"second_moment": "rowwise", "sum_inside_sqrt": False, "epsilon": 0.01,
-                                         "weight_decay": 1.0, "clipvalue": 0.3, "clip_weight_min": -0.08}],
+    [
+        {},
+        {"second_moment": "rowwise"},
+        {
+            "second_moment": "rowwise",
+            "sum_inside_sqrt": False,
+            "epsilon": 0.01,
+            "weight_decay": 1.0,
+            "clipvalue": 0.3,
+            "clip_weight_min": -0.08,
+        },
+    ],
     ids=["defaults", "rowwise", "rowwise_all_options"],
 )
 def test_not_lazy_per_row_equals_global(options, kind):
@@ -951,22 +1133,34 @@ def test_not_lazy_per_row_equals_global(options, kind):
     results = {}
     for bias_correction in ("global", "per_row"):
         variable = keras.Variable(init, name="table")
-        optimizer = kto.EmbeddingAdam(learning_rate=make_schedule(), lazy_adam=False, bias_correction=bias_correction,
-                                      **options)
+        optimizer = kto.EmbeddingAdam(
+            learning_rate=make_schedule(),
+            lazy_adam=False,
+            bias_correction=bias_correction,
+            **options,
+        )
         for seed, ids in enumerate(STEP_IDS):
-            optimizer.apply([make_gradient(kind, ids, step_values(ids, seed), init.shape)], [variable])
+            optimizer.apply(
+                [make_gradient(kind, ids, step_values(ids, seed), init.shape)], [variable]
+            )
         results[bias_correction] = state(optimizer, variable)
         if bias_correction == "per_row":
-            np.testing.assert_array_equal(ops.convert_to_numpy(slot(optimizer, variable, "row_steps")),
-                                          np.full(ROWS, len(STEP_IDS)))
-    for name, a, b in zip(("weights", "momenta", "velocities"), results["global"], results["per_row"]):
+            np.testing.assert_array_equal(
+                ops.convert_to_numpy(slot(optimizer, variable, "row_steps")),
+                np.full(ROWS, len(STEP_IDS)),
+            )
+    for name, a, b in zip(
+        ("weights", "momenta", "velocities"), results["global"], results["per_row"]
+    ):
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-8, err_msg=name)
 
 
 @pytest.mark.parametrize("kind", GRAD_KINDS)
 @pytest.mark.parametrize("rank", [1, 2])
 @pytest.mark.parametrize("use_gradient_accumulation", [True, False])
-def test_new_options_untouched_rows_keep_everything_bit_for_bit(kind, rank, use_gradient_accumulation):
+def test_new_options_untouched_rows_keep_everything_bit_for_bit(
+    kind, rank, use_gradient_accumulation
+):
     options = {**LAZY_OPTIONS, **NEW_OPTIONS}
     if not use_gradient_accumulation:
         options.pop("clipvalue")
@@ -979,24 +1173,43 @@ def test_new_options_untouched_rows_keep_everything_bit_for_bit(kind, rank, use_
     names = ("weights", "momenta", "velocities", "row_steps")
     for seed, ids in enumerate(STEP_IDS):
         values = step_values(ids, seed, shape[1:])
-        before = [np.array(x) for x in state(optimizer, variable)] + [
-            ops.convert_to_numpy(slot(optimizer, variable, "row_steps"))] if seed else None
+        before = (
+            [np.array(x) for x in state(optimizer, variable)]
+            + [ops.convert_to_numpy(slot(optimizer, variable, "row_steps"))]
+            if seed
+            else None
+        )
         optimizer.apply([make_gradient(kind, ids, values, shape)], [variable])
         feed(reference, kind, ids, values)
         assert_matches_reference(optimizer, variable, reference)
         if before is None:
             continue
-        after = list(state(optimizer, variable)) + [ops.convert_to_numpy(slot(optimizer, variable, "row_steps"))]
+        after = list(state(optimizer, variable)) + [
+            ops.convert_to_numpy(slot(optimizer, variable, "row_steps"))
+        ]
         untouched, touched = np.setdiff1d(np.arange(ROWS), ids), np.unique(ids)
         for name, old, new in zip(names, before, after):
-            np.testing.assert_array_equal(new[untouched], old[untouched], err_msg=f"untouched {name} changed")
+            np.testing.assert_array_equal(
+                new[untouched], old[untouched], err_msg=f"untouched {name} changed"
+            )
             assert not np.array_equal(new[touched], old[touched]), f"touched {name} did not change"
 
 
 @pytest.mark.parametrize("kind", GRAD_KINDS)
-@pytest.mark.parametrize("options", [NEW_OPTIONS, {**NEW_OPTIONS, "weight_decay_factor": 0.5, "clipvalue": 0.3,
-                                                   "clip_weight_max": 0.05, "lazy_adam": False}],
-                         ids=["lazy", "not_lazy_decay_and_clipping"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        NEW_OPTIONS,
+        {
+            **NEW_OPTIONS,
+            "weight_decay_factor": 0.5,
+            "clipvalue": 0.3,
+            "clip_weight_max": 0.05,
+            "lazy_adam": False,
+        },
+    ],
+    ids=["lazy", "not_lazy_decay_and_clipping"],
+)
 def test_new_options_rank_1_variable(options, kind):
     steps = [[0, 3, 3, 5], [1, 5], [7, 0, 0], [2, 3, 8], [5, 5, 4]]
     run_against_reference(options, kind, shape=(ROWS,), steps=steps)
@@ -1010,17 +1223,28 @@ def test_new_options_rank_3_variable(kind):
 
 @pytest.mark.parametrize("kind", GRAD_KINDS)
 def test_new_options_with_a_schedule(kind):
-    options = {**NEW_OPTIONS, "epsilon": 0.01, "weight_decay_factor": 1.0,
-               "multiply_weight_decay_factor_by_learning_rate": True}
-    run_against_reference(options, kind, learning_rate=make_schedule(), reference_learning_rate=schedule_reference)
+    options = {
+        **NEW_OPTIONS,
+        "epsilon": 0.01,
+        "weight_decay_factor": 1.0,
+        "multiply_weight_decay_factor_by_learning_rate": True,
+    }
+    run_against_reference(
+        options, kind, learning_rate=make_schedule(), reference_learning_rate=schedule_reference
+    )
 
 
 def test_new_options_with_keras_weight_decay():
     init = initial_table()
     variable = keras.Variable(init, name="table")
     optimizer = kto.EmbeddingAdam(learning_rate=0.05, weight_decay=2.0, **NEW_OPTIONS)
-    reference = NumpyEmbeddingAdam(init, learning_rate=0.05, weight_decay_factor=2.0,
-                                   multiply_weight_decay_factor_by_learning_rate=True, **NEW_OPTIONS)
+    reference = NumpyEmbeddingAdam(
+        init,
+        learning_rate=0.05,
+        weight_decay_factor=2.0,
+        multiply_weight_decay_factor_by_learning_rate=True,
+        **NEW_OPTIONS,
+    )
     for seed, ids in enumerate(STEP_IDS):
         values = step_values(ids, seed)
         optimizer.apply([make_gradient("dense", ids, values, init.shape)], [variable])
@@ -1031,13 +1255,18 @@ def test_new_options_with_keras_weight_decay():
 @pytest.mark.parametrize("kind", GRAD_KINDS)
 def test_new_options_under_loss_scale_optimizer(kind):
     if BACKEND == "torch" and kind == "sparse":
-        pytest.skip("Keras's LossScaleOptimizer calls torch.isfinite on the gradient, which has no sparse kernel "
-                    "(whatever the optimizer's options)")
+        pytest.skip(
+            "Keras's LossScaleOptimizer calls torch.isfinite on the gradient, which has no sparse kernel "
+            "(whatever the optimizer's options)"
+        )
     init = initial_table()
     variable = keras.Variable(init, name="table")
     options = {**NEW_OPTIONS, "clipvalue": (-0.25, 0.3)}
-    optimizer = keras.optimizers.LossScaleOptimizer(kto.EmbeddingAdam(learning_rate=0.05, **options),
-                                                    initial_scale=2.0**10, dynamic_growth_steps=1000)
+    optimizer = keras.optimizers.LossScaleOptimizer(
+        kto.EmbeddingAdam(learning_rate=0.05, **options),
+        initial_scale=2.0**10,
+        dynamic_growth_steps=1000,
+    )
     optimizer.build([variable])
     reference = NumpyEmbeddingAdam(init, learning_rate=0.05, **options)
     if BACKEND == "jax":
@@ -1048,7 +1277,9 @@ def test_new_options_under_loss_scale_optimizer(kind):
         values = step_values(ids, seed)
         gradient = make_gradient(kind, ids, values * 2.0**10, init.shape)
         if BACKEND == "jax":
-            trainable, state_values = apply([v.value for v in optimizer.variables], [gradient], [variable.value])
+            trainable, state_values = apply(
+                [v.value for v in optimizer.variables], [gradient], [variable.value]
+            )
             for target, value in zip([variable, *optimizer.variables], [*trainable, *state_values]):
                 target.assign(value)
         else:
@@ -1108,17 +1339,25 @@ def test_new_options_table_dtypes(dtype, kind):
     for name in ("momenta", "velocities"):
         assert keras.backend.standardize_dtype(slot(optimizer, variable, name).dtype) == "float32"
     weights, momenta, velocities = state(optimizer, variable)
-    np.testing.assert_allclose(weights, reference.weights.astype(np.float64), rtol=4 * ulp, atol=4 * ulp * 0.1)
+    np.testing.assert_allclose(
+        weights, reference.weights.astype(np.float64), rtol=4 * ulp, atol=4 * ulp * 0.1
+    )
     np.testing.assert_allclose(momenta, reference.momenta, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(velocities, reference.velocities, rtol=1e-5, atol=1e-7)
-    np.testing.assert_array_equal(ops.convert_to_numpy(slot(optimizer, variable, "row_steps")), reference.row_steps)
+    np.testing.assert_array_equal(
+        ops.convert_to_numpy(slot(optimizer, variable, "row_steps")), reference.row_steps
+    )
 
 
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.function(jit_compile=True) is TensorFlow's XLA path")
+@pytest.mark.skipif(
+    BACKEND != "tensorflow", reason="tf.function(jit_compile=True) is TensorFlow's XLA path"
+)
 @pytest.mark.parametrize("use_gradient_accumulation", [True, False])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("jit_compile", [True, False])
-def test_tensorflow_new_options_with_indexed_slices_in_tf_function(use_gradient_accumulation, dtype, jit_compile):
+def test_tensorflow_new_options_with_indexed_slices_in_tf_function(
+    use_gradient_accumulation, dtype, jit_compile
+):
     import tensorflow as tf
 
     options = {**XLA_OPTIONS, **NEW_OPTIONS}
@@ -1130,7 +1369,9 @@ def test_tensorflow_new_options_with_indexed_slices_in_tf_function(use_gradient_
     variable = keras.Variable(init, name="table", dtype=dtype)
     optimizer = kto.EmbeddingAdam(learning_rate=make_schedule(), **options)
     optimizer.build([variable])
-    reference = NumpyEmbeddingAdam(init, learning_rate=schedule_reference, weight_dtype=numpy_dtype, **options)
+    reference = NumpyEmbeddingAdam(
+        init, learning_rate=schedule_reference, weight_dtype=numpy_dtype, **options
+    )
 
     @tf.function(jit_compile=jit_compile)
     def train_step(ids, values):
@@ -1140,13 +1381,19 @@ def test_tensorflow_new_options_with_indexed_slices_in_tf_function(use_gradient_
     ulp = 2.0**-7 if dtype == "bfloat16" else 2.0**-23
     for seed, ids in enumerate(STEP_IDS + [[3, 3, 3, 3], [], [8, 0, 8, 0, 8]]):
         values = np.round(step_values(ids, seed) * 64) / 64
-        train_step(tf.constant(ids, tf.int64, shape=[len(ids)]), tf.constant(values.astype(numpy_dtype)))
+        train_step(
+            tf.constant(ids, tf.int64, shape=[len(ids)]), tf.constant(values.astype(numpy_dtype))
+        )
         reference.apply_sparse(np.asarray(ids, np.int64), values)
         weights, momenta, velocities = state(optimizer, variable)
-        np.testing.assert_allclose(weights, reference.weights.astype(np.float64), rtol=4 * ulp, atol=1e-6)
+        np.testing.assert_allclose(
+            weights, reference.weights.astype(np.float64), rtol=4 * ulp, atol=1e-6
+        )
         np.testing.assert_allclose(momenta, reference.momenta, rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(velocities, reference.velocities, rtol=1e-5, atol=1e-7)
-        np.testing.assert_array_equal(ops.convert_to_numpy(slot(optimizer, variable, "row_steps")), reference.row_steps)
+        np.testing.assert_array_equal(
+            ops.convert_to_numpy(slot(optimizer, variable, "row_steps")), reference.row_steps
+        )
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="jax.jit(optimizer.stateless_apply) is JAX's XLA path")
@@ -1162,8 +1409,11 @@ def test_jax_jit_new_options(gradient):
         options["use_gradient_accumulation"] = False
     init = initial_table()
     variable = keras.Variable(init, name="table")
-    optimizer = kto.EmbeddingAdam(learning_rate=make_schedule(), max_touched_rows=2 if gradient.endswith("_2") else None,
-                                  **options)
+    optimizer = kto.EmbeddingAdam(
+        learning_rate=make_schedule(),
+        max_touched_rows=2 if gradient.endswith("_2") else None,
+        **options,
+    )
     optimizer.build([variable])
     reference = NumpyEmbeddingAdam(init, learning_rate=schedule_reference, **options)
     apply = jax.jit(optimizer.stateless_apply, donate_argnums=(0, 2))
@@ -1172,7 +1422,9 @@ def test_jax_jit_new_options(gradient):
     for seed, ids in enumerate(STEP_IDS):
         values = step_values(ids, seed)
         if gradient.startswith("bcoo"):
-            grad = jax_sparse.BCOO((jnp.asarray(values), jnp.asarray(ids, jnp.int32)[:, None]), shape=init.shape)
+            grad = jax_sparse.BCOO(
+                (jnp.asarray(values), jnp.asarray(ids, jnp.int32)[:, None]), shape=init.shape
+            )
             reference.apply_sparse(ids, values)
         else:
             grad = ops.convert_to_tensor(densify(ids, values, init.shape))
@@ -1180,8 +1432,12 @@ def test_jax_jit_new_options(gradient):
         before = [np.array(v) for v in [trainable_values[0], *optimizer_values]]
         trainable_values, optimizer_values = apply(optimizer_values, [grad], trainable_values)
         untouched = np.setdiff1d(np.arange(ROWS), ids)
-        for old, new in zip(before, [np.asarray(v) for v in [trainable_values[0], *optimizer_values]]):
-            if old.ndim and old.shape[0] == ROWS:  # the table and every slot, bit for bit on untouched rows
+        for old, new in zip(
+            before, [np.asarray(v) for v in [trainable_values[0], *optimizer_values]]
+        ):
+            if (
+                old.ndim and old.shape[0] == ROWS
+            ):  # the table and every slot, bit for bit on untouched rows
                 np.testing.assert_array_equal(new[untouched], old[untouched])
     for target, value in zip(optimizer.variables, optimizer_values):
         target.assign(value)
@@ -1200,20 +1456,36 @@ def average_of(optimizer, variable):
     return matches[0]
 
 
-def _ema_run(kind, options, *, momentum=0.8, frequency=None, accumulation=None, steps=EMA_STEPS, shape=(ROWS, DIM),
-             check_lazy=True):
+def _ema_run(
+    kind,
+    options,
+    *,
+    momentum=0.8,
+    frequency=None,
+    accumulation=None,
+    steps=EMA_STEPS,
+    shape=(ROWS, DIM),
+    check_lazy=True,
+):
     """Lazy EMA vs Keras's dense EMA (KerasEma) around the numpy reference: every observable value."""
     init = initial_table(shape)
     variable = keras.Variable(init, name="table")
-    optimizer = kto.EmbeddingAdam(learning_rate=0.05, use_ema=True, ema_momentum=momentum,
-                                  ema_overwrite_frequency=frequency, gradient_accumulation_steps=accumulation,
-                                  **options)
+    optimizer = kto.EmbeddingAdam(
+        learning_rate=0.05,
+        use_ema=True,
+        ema_momentum=momentum,
+        ema_overwrite_frequency=frequency,
+        gradient_accumulation_steps=accumulation,
+        **options,
+    )
     reference = NumpyEmbeddingAdam(init, learning_rate=0.05, **options)
     ema = KerasEma(reference, momentum, frequency, accumulation)
     collected = []
     for seed, ids in enumerate(steps):
         values = step_values(ids, seed, shape[1:])
-        average_before = np.array(to_numpy(average_of(optimizer, variable))) if optimizer.built else None
+        average_before = (
+            np.array(to_numpy(average_of(optimizer, variable))) if optimizer.built else None
+        )
         optimizer.apply([make_gradient(kind, ids, values, shape)], [variable])
         if accumulation:
             collected.append(densify(ids, values, shape))
@@ -1224,15 +1496,21 @@ def _ema_run(kind, options, *, momentum=0.8, frequency=None, accumulation=None, 
             feed(reference, kind, ids, values)
         ema.after_apply()
         # The weights a user sees (overwritten every `frequency` updates) are Keras's.
-        np.testing.assert_allclose(to_numpy(variable), reference.weights, rtol=1e-5, atol=1e-6, err_msg=f"step {seed}")
+        np.testing.assert_allclose(
+            to_numpy(variable), reference.weights, rtol=1e-5, atol=1e-6, err_msg=f"step {seed}"
+        )
         iterations = seed // (accumulation or 1)
         overwrite = frequency and (iterations + 1) % frequency == 0
         if check_lazy and average_before is not None and not overwrite and seed:
             # O(rows touched): the stored averages of untouched rows are not written.
             untouched = np.setdiff1d(np.arange(shape[0]), ids)
-            np.testing.assert_array_equal(to_numpy(average_of(optimizer, variable))[untouched], average_before[untouched])
+            np.testing.assert_array_equal(
+                to_numpy(average_of(optimizer, variable))[untouched], average_before[untouched]
+            )
     optimizer.catch_up_moving_averages()
-    np.testing.assert_allclose(to_numpy(average_of(optimizer, variable)), ema.average, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        to_numpy(average_of(optimizer, variable)), ema.average, rtol=1e-5, atol=1e-6
+    )
     optimizer.finalize_variable_values([variable])
     ema.finalize()
     np.testing.assert_allclose(to_numpy(variable), reference.weights, rtol=1e-5, atol=1e-6)
@@ -1241,7 +1519,12 @@ def _ema_run(kind, options, *, momentum=0.8, frequency=None, accumulation=None, 
 
 EMA_OPTION_CASES = {
     "defaults": {},
-    "all_options": {"weight_decay_factor": 0.5, "clipvalue": (-0.3, 0.25), "clip_weight_max": 0.07, "epsilon": 0.01},
+    "all_options": {
+        "weight_decay_factor": 0.5,
+        "clipvalue": (-0.3, 0.25),
+        "clip_weight_max": 0.07,
+        "epsilon": 0.01,
+    },
     "rowwise_per_row": NEW_OPTIONS,
 }
 
@@ -1299,15 +1582,22 @@ def test_lazy_ema_in_fit_finalizes_to_keras_ema():
         def on_train_batch_end(self, batch, logs=None):
             trajectory.append(weights_of(self.model))
 
-    plain = compile_model(make_model("recommender"), "recommender", kto.EmbeddingAdam(0.02, **NEW_OPTIONS))
+    plain = compile_model(
+        make_model("recommender"), "recommender", kto.EmbeddingAdam(0.02, **NEW_OPTIONS)
+    )
     plain.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[Record()])
-    averaged = compile_model(make_model("recommender"), "recommender",
-                             kto.EmbeddingAdam(0.02, use_ema=True, ema_momentum=0.7, **NEW_OPTIONS))
+    averaged = compile_model(
+        make_model("recommender"),
+        "recommender",
+        kto.EmbeddingAdam(0.02, use_ema=True, ema_momentum=0.7, **NEW_OPTIONS),
+    )
     averaged.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     expected = None
     for weights in trajectory:
         weights = [w.astype(np.float64) for w in weights]
-        expected = weights if expected is None else [0.7 * e + 0.3 * w for e, w in zip(expected, weights)]
+        expected = (
+            weights if expected is None else [0.7 * e + 0.3 * w for e, w in zip(expected, weights)]
+        )
     assert len(trajectory) == 6
     for got, want in zip(weights_of(averaged), expected):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -1323,8 +1613,14 @@ def test_jax_jit_lazy_ema(gradient):
     options = {**XLA_OPTIONS, **NEW_OPTIONS}
     init = initial_table()
     variable = keras.Variable(init, name="table")
-    optimizer = kto.EmbeddingAdam(learning_rate=0.05, use_ema=True, ema_momentum=0.8, ema_overwrite_frequency=3,
-                                  max_touched_rows=2 if gradient.endswith("_2") else None, **options)
+    optimizer = kto.EmbeddingAdam(
+        learning_rate=0.05,
+        use_ema=True,
+        ema_momentum=0.8,
+        ema_overwrite_frequency=3,
+        max_touched_rows=2 if gradient.endswith("_2") else None,
+        **options,
+    )
     optimizer.build([variable])
     reference = NumpyEmbeddingAdam(init, learning_rate=0.05, **options)
     ema = KerasEma(reference, 0.8, 3)
@@ -1334,14 +1630,18 @@ def test_jax_jit_lazy_ema(gradient):
     for seed, ids in enumerate(EMA_STEPS):
         values = step_values(ids, seed)
         if gradient == "bcoo":
-            grad = jax_sparse.BCOO((jnp.asarray(values), jnp.asarray(ids, jnp.int32)[:, None]), shape=init.shape)
+            grad = jax_sparse.BCOO(
+                (jnp.asarray(values), jnp.asarray(ids, jnp.int32)[:, None]), shape=init.shape
+            )
             reference.apply_sparse(ids, values)
         else:
             grad = ops.convert_to_tensor(densify(ids, values, init.shape))
             reference.apply_dense(densify(ids, values, init.shape))
         ema.after_apply()
         trainable_values, optimizer_values = apply(optimizer_values, [grad], trainable_values)
-        np.testing.assert_allclose(np.asarray(trainable_values[0]), reference.weights, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(trainable_values[0]), reference.weights, rtol=1e-5, atol=1e-6
+        )
     for target, value in zip(optimizer.variables, optimizer_values):
         target.assign(value)
     variable.assign(trainable_values[0])
@@ -1357,15 +1657,19 @@ def test_tensorflow_lazy_ema_in_tf_function(jit_compile):
     options = {**XLA_OPTIONS, **NEW_OPTIONS}
     init = initial_table()
     variable = keras.Variable(init, name="table")
-    optimizer = kto.EmbeddingAdam(learning_rate=0.05, use_ema=True, ema_momentum=0.8, ema_overwrite_frequency=3,
-                                  **options)
+    optimizer = kto.EmbeddingAdam(
+        learning_rate=0.05, use_ema=True, ema_momentum=0.8, ema_overwrite_frequency=3, **options
+    )
     optimizer.build([variable])
     reference = NumpyEmbeddingAdam(init, learning_rate=0.05, **options)
     ema = KerasEma(reference, 0.8, 3)
 
     @tf.function(jit_compile=jit_compile)
     def train_step(ids, values):
-        optimizer.apply([tf.IndexedSlices(values, ids, dense_shape=tf.constant(init.shape, tf.int32))], [variable])
+        optimizer.apply(
+            [tf.IndexedSlices(values, ids, dense_shape=tf.constant(init.shape, tf.int32))],
+            [variable],
+        )
 
     for seed, ids in enumerate(EMA_STEPS):
         values = step_values(ids, seed)
@@ -1379,13 +1683,16 @@ def test_tensorflow_lazy_ema_in_tf_function(jit_compile):
 
 # --------------------------------------------------------------------------- slots, config, validation
 
+
 def test_slot_variable_creation_fn_is_used():
     calls = []
 
     def create_slots(variable, slot_names, initializers):
         calls.append((variable, list(slot_names), list(initializers)))
         return {
-            name: keras.Variable(init(variable.shape, "float32"), name=f"custom_{name}", trainable=False)
+            name: keras.Variable(
+                init(variable.shape, "float32"), name=f"custom_{name}", trainable=False
+            )
             for name, init in zip(slot_names, initializers)
         }
 
@@ -1399,27 +1706,50 @@ def test_slot_variable_creation_fn_is_used():
         reference.apply_dense(densify(ids, values, init.shape))
     assert len(calls) == 1
     called_variable, names, initializers = calls[0]
-    assert called_variable is variable and names == ["momenta", "velocities"] and len(initializers) == 2
+    assert (
+        called_variable is variable
+        and names == ["momenta", "velocities"]
+        and len(initializers) == 2
+    )
     by_name = {v.name: v for v in optimizer.variables}
     assert "custom_momenta" in by_name and "custom_velocities" in by_name
-    np.testing.assert_allclose(to_numpy(by_name["custom_momenta"]), reference.momenta, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(to_numpy(by_name["custom_velocities"]), reference.velocities, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        to_numpy(by_name["custom_momenta"]), reference.momenta, rtol=1e-5, atol=1e-7
+    )
+    np.testing.assert_allclose(
+        to_numpy(by_name["custom_velocities"]), reference.velocities, rtol=1e-5, atol=1e-7
+    )
     np.testing.assert_allclose(to_numpy(variable), reference.weights, rtol=1e-5, atol=1e-6)
 
 
 FULL_CONFIG = dict(
-    beta_1=0.8, beta_2=0.95, epsilon=0.01, lazy_adam=True, sum_inside_sqrt=False, use_gradient_accumulation=True,
-    clip_weight_min=-0.09, clip_weight_max=0.08, weight_decay_factor=0.3,
-    multiply_weight_decay_factor_by_learning_rate=True, clipvalue=(-0.2, None),
-    low_dimensional_packing_status=True, max_touched_rows=4096, clipnorm=5.0,
-    second_moment="rowwise", bias_correction="per_row",
+    beta_1=0.8,
+    beta_2=0.95,
+    epsilon=0.01,
+    lazy_adam=True,
+    sum_inside_sqrt=False,
+    use_gradient_accumulation=True,
+    clip_weight_min=-0.09,
+    clip_weight_max=0.08,
+    weight_decay_factor=0.3,
+    multiply_weight_decay_factor_by_learning_rate=True,
+    clipvalue=(-0.2, None),
+    low_dimensional_packing_status=True,
+    max_touched_rows=4096,
+    clipnorm=5.0,
+    second_moment="rowwise",
+    bias_correction="per_row",
 )
 
 
 def _assert_same_numbers(restored, config, reference_learning_rate):
     init = initial_table()
     variable = keras.Variable(init, name="table")
-    ref_options = {k: v for k, v in config.items() if k not in ("low_dimensional_packing_status", "max_touched_rows")}
+    ref_options = {
+        k: v
+        for k, v in config.items()
+        if k not in ("low_dimensional_packing_status", "max_touched_rows")
+    }
     reference = NumpyEmbeddingAdam(init, learning_rate=reference_learning_rate, **ref_options)
     for seed, ids in enumerate(STEP_IDS[:3]):
         values = step_values(ids, seed)
@@ -1455,28 +1785,43 @@ def test_keras_serialize_deserialize_round_trip():
 
 @keras.saving.register_keras_serializable(package="tests_embedding_adam")
 def registered_slot_fn(variable, slot_names, initializers):
-    return {name: keras.Variable(init(variable.shape, "float32"), name=f"registered_{name}", trainable=False)
-            for name, init in zip(slot_names, initializers)}
+    return {
+        name: keras.Variable(
+            init(variable.shape, "float32"), name=f"registered_{name}", trainable=False
+        )
+        for name, init in zip(slot_names, initializers)
+    }
 
 
 def test_slot_variable_creation_fn_with_the_new_options():
     """The user's function makes `momenta` and `velocities` (of shape `(rows,)` when rowwise); `row_steps` is ours."""
+
     def create_slots(variable, slot_names, initializers):
         shapes = {"momenta": variable.shape, "velocities": variable.shape[:1]}
-        return {name: keras.Variable(init(shapes[name], "float32"), name=f"custom_{name}", trainable=False)
-                for name, init in zip(slot_names, initializers)}
+        return {
+            name: keras.Variable(
+                init(shapes[name], "float32"), name=f"custom_{name}", trainable=False
+            )
+            for name, init in zip(slot_names, initializers)
+        }
 
     init = initial_table()
     variable = keras.Variable(init, name="table")
-    optimizer = kto.EmbeddingAdam(learning_rate=0.05, slot_variable_creation_fn=create_slots, **NEW_OPTIONS)
+    optimizer = kto.EmbeddingAdam(
+        learning_rate=0.05, slot_variable_creation_fn=create_slots, **NEW_OPTIONS
+    )
     reference = NumpyEmbeddingAdam(init, learning_rate=0.05, **NEW_OPTIONS)
     for seed, ids in enumerate(STEP_IDS[:3]):
         values = step_values(ids, seed)
         optimizer.apply([make_gradient("dense", ids, values, init.shape)], [variable])
         reference.apply_dense(densify(ids, values, init.shape))
     by_name = {v.name: v for v in optimizer.variables}
-    np.testing.assert_allclose(to_numpy(by_name["custom_velocities"]), reference.velocities, rtol=1e-5, atol=1e-7)
-    np.testing.assert_array_equal(ops.convert_to_numpy(by_name["table_row_steps"]), reference.row_steps)
+    np.testing.assert_allclose(
+        to_numpy(by_name["custom_velocities"]), reference.velocities, rtol=1e-5, atol=1e-7
+    )
+    np.testing.assert_array_equal(
+        ops.convert_to_numpy(by_name["table_row_steps"]), reference.row_steps
+    )
     np.testing.assert_allclose(to_numpy(variable), reference.weights, rtol=1e-5, atol=1e-6)
 
     # A full-size velocities slot does not fit a rowwise second moment.
@@ -1517,6 +1862,7 @@ def test_validation_errors_name_the_argument(kwargs, argument):
 
 
 def test_boundary_values_are_accepted():
-    optimizer = kto.EmbeddingAdam(beta_1=0.0, beta_2=0.0, clip_weight_min=0.1, clip_weight_max=0.1,
-                                  clipvalue=(0.2, 0.2))
+    optimizer = kto.EmbeddingAdam(
+        beta_1=0.0, beta_2=0.0, clip_weight_min=0.1, clip_weight_max=0.1, clipvalue=(0.2, 0.2)
+    )
     assert optimizer.beta_1 == 0.0 and optimizer.beta_2 == 0.0

@@ -60,8 +60,18 @@ def test_same_recommender_same_weights_on_tensorflow_jax_and_torch(tmp_path):
         env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo_root), env.get("PYTHONPATH")]))
         processes[backend] = subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(input_path), str(tmp_path / backend), json.dumps(CASES)],
-            env=env, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                str(SCRIPT),
+                str(input_path),
+                str(tmp_path / backend),
+                json.dumps(CASES),
+            ],
+            env=env,
+            cwd=repo_root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
     try:
         for backend, process in processes.items():
@@ -73,18 +83,29 @@ def test_same_recommender_same_weights_on_tensorflow_jax_and_torch(tmp_path):
                 process.kill()
 
     for case, options in CASES.items():
-        results = {backend: dict(np.load(tmp_path / f"{backend}_{case}.npz")) for backend in BACKENDS}
+        results = {
+            backend: dict(np.load(tmp_path / f"{backend}_{case}.npz")) for backend in BACKENDS
+        }
         for backend, result in results.items():
             where = f"{case}, {backend}"
-            assert int(result["iterations"]) == 3 * EXAMPLES // 16 // options.get("gradient_accumulation_steps", 1), where
+            assert int(result["iterations"]) == 3 * EXAMPLES // 16 // options.get(
+                "gradient_accumulation_steps", 1
+            ), where
             # Training really moved the looked-up rows and the dense layer...
-            assert (np.abs(result["embedding"][:30] - initial["embedding"][:30]).max(axis=1) > 1e-4).all(), where
+            assert (
+                np.abs(result["embedding"][:30] - initial["embedding"][:30]).max(axis=1) > 1e-4
+            ).all(), where
             assert not np.allclose(result["kernel"], initial["kernel"]), where
             # ...and left the never-looked-up rows bit for bit.
-            np.testing.assert_array_equal(result["embedding"][30:], initial["embedding"][30:], err_msg=where)
+            np.testing.assert_array_equal(
+                result["embedding"][30:], initial["embedding"][30:], err_msg=where
+            )
         for backend in ("tensorflow", "torch"):
             for name in ("embedding", "kernel", "bias"):
                 np.testing.assert_allclose(
-                    results[backend][name], results["jax"][name], rtol=0, atol=1e-5,
+                    results[backend][name],
+                    results["jax"][name],
+                    rtol=0,
+                    atol=1e-5,
                     err_msg=f"{case}: {name}: {backend} vs jax",
                 )

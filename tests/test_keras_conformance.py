@@ -185,7 +185,11 @@ def _lso(optimizer_class, **kwargs):
 # test_sparse_gradients, which is not applicable (NOT_APPLICABLE).
 SPARSE_CASES = [
     # Keras's own Adafactor case, with ours.
-    {"testcase_name": "kto_adafactor", "optimizer_class": kto.Adafactor, "init_kwargs": {"clip_threshold": 0.5}},
+    {
+        "testcase_name": "kto_adafactor",
+        "optimizer_class": kto.Adafactor,
+        "init_kwargs": {"clip_threshold": 0.5},
+    },
     {
         "testcase_name": "kto_adafactor_options",
         "optimizer_class": kto.Adafactor,
@@ -230,7 +234,10 @@ SPARSE_CASES = [
         "testcase_name": "loss_scale_optimizer_kto_adafactor",
         "optimizer_class": _lso(kto.Adafactor, clip_threshold=0.5),
     },
-    {"testcase_name": "loss_scale_optimizer_kto_embedding_adam", "optimizer_class": _lso(kto.EmbeddingAdam)},
+    {
+        "testcase_name": "loss_scale_optimizer_kto_embedding_adam",
+        "optimizer_class": _lso(kto.EmbeddingAdam),
+    },
     {
         "testcase_name": "loss_scale_optimizer_kto_embedding_adam_not_lazy",
         "optimizer_class": _lso(kto.EmbeddingAdam, lazy_adam=False),
@@ -251,7 +258,9 @@ def _default_name(cls):
 
 
 def _scaled_learning_rate(learning_rate, factor):
-    if callable(learning_rate) and not isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+    if callable(learning_rate) and not isinstance(
+        learning_rate, keras.optimizers.schedules.LearningRateSchedule
+    ):
         return lambda: learning_rate() * factor
     if isinstance(learning_rate, (int, float)):
         return learning_rate * factor
@@ -264,7 +273,9 @@ def sgd_limit(subject, learning_rate=0.01, momentum=0.0, nesterov=False, **kwarg
         raise NotImplementedError("SGD limit: momentum/nesterov have no counterpart")
     learning_rate = _scaled_learning_rate(learning_rate, SGD_LIMIT_EPSILON)
     if subject is kto.EmbeddingAdam:
-        return subject(learning_rate=learning_rate, beta_1=0.0, beta_2=0.0, epsilon=SGD_LIMIT_EPSILON, **kwargs)
+        return subject(
+            learning_rate=learning_rate, beta_1=0.0, beta_2=0.0, epsilon=SGD_LIMIT_EPSILON, **kwargs
+        )
     if subject is kto.Adafactor:
         return subject(
             learning_rate=learning_rate,
@@ -276,13 +287,17 @@ def sgd_limit(subject, learning_rate=0.01, momentum=0.0, nesterov=False, **kwarg
     raise NotImplementedError(subject)
 
 
-def adam_substitute(subject, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, amsgrad=False, **kwargs):
+def adam_substitute(
+    subject, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, amsgrad=False, **kwargs
+):
     """`keras.optimizers.Adam(...)` as `subject`: EmbeddingAdam with Adam's options (its dense
     numbers are Adam's but for epsilon's place), Adafactor with an absolute step size."""
     if amsgrad:
         raise NotImplementedError("amsgrad has no counterpart")
     if subject is kto.EmbeddingAdam:
-        return subject(learning_rate=learning_rate, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon, **kwargs)
+        return subject(
+            learning_rate=learning_rate, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon, **kwargs
+        )
     if (beta_1, beta_2, epsilon) != (0.9, 0.999, 1e-7):
         raise NotImplementedError("Adam's beta_1/beta_2/epsilon have no Adafactor counterpart")
     # Adam's learning rate is an absolute step size; Adafactor's default one is
@@ -299,7 +314,11 @@ def _optimizers_namespace(subject, test_name):
     """`keras.src.optimizers` with `Adam`, `SGD` and `get` building `subject`."""
     keras_optimizers = keras.src.optimizers
     namespace = types.SimpleNamespace(
-        **{name: getattr(keras_optimizers, name) for name in dir(keras_optimizers) if not name.startswith("__")}
+        **{
+            name: getattr(keras_optimizers, name)
+            for name in dir(keras_optimizers)
+            if not name.startswith("__")
+        }
     )
     keep = _KEEP_KERAS_CLASSES.get(test_name, set())
     if "Adam" not in keep:
@@ -376,7 +395,9 @@ class _Rewriter(ast.NodeTransformer):
         if self.rename is not None and isinstance(node.value, str):
             match = self.rename.match(node.value)
             if match:
-                return ast.copy_location(ast.Constant(self.renamed_to + (match.group(1) or "")), node)
+                return ast.copy_location(
+                    ast.Constant(self.renamed_to + (match.group(1) or "")), node
+                )
         return node
 
 
@@ -399,7 +420,9 @@ def _keras_test_classes(module):
     return [
         value
         for value in vars(module).values()
-        if isinstance(value, type) and issubclass(value, unittest.TestCase) and value.__module__ == module.__name__
+        if isinstance(value, type)
+        and issubclass(value, unittest.TestCase)
+        and value.__module__ == module.__name__
     ]
 
 
@@ -409,7 +432,9 @@ def _original_name(function):
 
 
 def _keras_test_methods(keras_class):
-    return {name: getattr(keras_class, name) for name in dir(keras_class) if name.startswith("test")}
+    return {
+        name: getattr(keras_class, name) for name in dir(keras_class) if name.startswith("test")
+    }
 
 
 def _copy_of(function):
@@ -456,7 +481,9 @@ def _generate():
     sparse = _load_keras_tests("optimizer_sparse_test.py", "optimizer_sparse_test", _sparse_cases)
     loaded["optimizer_sparse_test.py"] = [sparse]
     for keras_class in _keras_test_classes(sparse):
-        _conformance_class(f"TestKeras{keras_class.__name__}", keras_class, "optimizer_sparse_test.py")
+        _conformance_class(
+            f"TestKeras{keras_class.__name__}", keras_class, "optimizer_sparse_test.py"
+        )
 
     adafactor = _load_keras_tests("adafactor_test.py", "adafactor_test", _name_cases(kto.Adafactor))
     adafactor.Adafactor = kto.Adafactor
@@ -479,7 +506,10 @@ def _generate():
 
         for keras_class in _keras_test_classes(module):
             _conformance_class(
-                f"TestKeras{keras_class.__name__}_{subject_name}", keras_class, "optimizer_test.py", set_up
+                f"TestKeras{keras_class.__name__}_{subject_name}",
+                keras_class,
+                "optimizer_test.py",
+                set_up,
             )
     return loaded
 
@@ -512,4 +542,6 @@ def test_every_keras_optimizer_test_is_classified():
     assert classified - found == set(), "classified tests that Keras no longer has"
     for test_id in EXPECTED_DEVIATIONS:
         class_name, method = test_id.split("::")
-        assert hasattr(globals().get(class_name), method), f"EXPECTED_DEVIATIONS: no generated test {test_id}"
+        assert hasattr(globals().get(class_name), method), (
+            f"EXPECTED_DEVIATIONS: no generated test {test_id}"
+        )

@@ -56,7 +56,9 @@ def bfloat16_policy():
     keras.mixed_precision.set_dtype_policy("float32")
 
 
-@pytest.mark.parametrize("kind, cls, kwargs", FIT_CASES, ids=["adafactor-transformer", "embedding_adam-recommender"])
+@pytest.mark.parametrize(
+    "kind, cls, kwargs", FIT_CASES, ids=["adafactor-transformer", "embedding_adam-recommender"]
+)
 def test_fit_loss_falls(kind, cls, kwargs):
     x, y = make_data(kind, 256)
     model = compile_model(make_model(kind), kind, cls(**kwargs))
@@ -79,7 +81,11 @@ def test_custom_training_step_matches_fit(kind, cls, kwargs, loss_scale):
 
     def optimizer():
         inner = cls(**kwargs)
-        return keras.optimizers.LossScaleOptimizer(inner, initial_scale=2.0**10) if loss_scale else inner
+        return (
+            keras.optimizers.LossScaleOptimizer(inner, initial_scale=2.0**10)
+            if loss_scale
+            else inner
+        )
 
     fitted = compile_model(make_model(kind), kind, optimizer())
     fit_steps(fitted, x, y, batch_size=32)
@@ -102,7 +108,9 @@ def test_loss_scale_optimizer_is_exact_in_float32(kind, cls, kwargs):
     plain = compile_model(make_model(kind), kind, cls(**kwargs))
     fit_steps(plain, x, y, batch_size=32)
     scaled = compile_model(
-        make_model(kind), kind, keras.optimizers.LossScaleOptimizer(cls(**kwargs), initial_scale=2.0**8)
+        make_model(kind),
+        kind,
+        keras.optimizers.LossScaleOptimizer(cls(**kwargs), initial_scale=2.0**8),
     )
     fit_steps(scaled, x, y, batch_size=32)
     for got, want in zip(weights_of(scaled), weights_of(plain)):
@@ -149,9 +157,13 @@ def _train_by_hand(kind, cls, kwargs, x, y, batch_size, *, ema=None, accumulate=
     micro_steps = 0
     for step, (xb, yb) in enumerate(batches_of(x, y, batch_size)):
         grads = compute_gradients(xb, yb)
-        grads = [np.array(keras.ops.convert_to_numpy(keras.ops.convert_to_tensor(g))) for g in grads]
+        grads = [
+            np.array(keras.ops.convert_to_numpy(keras.ops.convert_to_tensor(g))) for g in grads
+        ]
         if accumulate:
-            accumulated = grads if accumulated is None else [a + g for a, g in zip(accumulated, grads)]
+            accumulated = (
+                grads if accumulated is None else [a + g for a, g in zip(accumulated, grads)]
+            )
             micro_steps += 1
             if micro_steps < accumulate:
                 continue
@@ -164,7 +176,10 @@ def _train_by_hand(kind, cls, kwargs, x, y, batch_size, *, ema=None, accumulate=
             if average is None:
                 average = current
             else:
-                average = [np.float32(momentum) * a + np.float32(1 - momentum) * w for a, w in zip(average, current)]
+                average = [
+                    np.float32(momentum) * a + np.float32(1 - momentum) * w
+                    for a, w in zip(average, current)
+                ]
             if frequency and (step + 1) % frequency == 0:
                 for v, a in zip(variables, average):
                     v.assign(a)
@@ -178,7 +193,9 @@ def _train_by_hand(kind, cls, kwargs, x, y, batch_size, *, ema=None, accumulate=
 def test_ema_through_fit_matches_hand_run(kind, cls, kwargs):
     x, y = make_data(kind, 5 * 16)
     model = compile_model(
-        make_model(kind), kind, cls(**kwargs, use_ema=True, ema_momentum=0.8, ema_overwrite_frequency=2)
+        make_model(kind),
+        kind,
+        cls(**kwargs, use_ema=True, ema_momentum=0.8, ema_overwrite_frequency=2),
     )
     fit_steps(model, x, y, batch_size=16)
     want = _train_by_hand(kind, cls, kwargs, x, y, 16, ema=(0.8, 2))

@@ -43,7 +43,9 @@ def _gradients():
         values = rng.normal(0.0, 0.5, size=(len(IDS), SHAPE[1])).astype(np.float32)
         dense = np.zeros(SHAPE, np.float32)
         np.add.at(dense, IDS, values)
-        sparse = tf.IndexedSlices(tf.constant(values), tf.constant(IDS, tf.int32), tf.constant(SHAPE, tf.int32))
+        sparse = tf.IndexedSlices(
+            tf.constant(values), tf.constant(IDS, tf.int32), tf.constant(SHAPE, tf.int32)
+        )
         gradients.append((sparse, tf.constant(dense)))
     return gradients
 
@@ -58,11 +60,20 @@ def _train(make_optimizer, initial, gradients, form):
 
 
 CASES = {
-    "adafactor": (lambda: kto.Adafactor(learning_rate=0.01), lambda: keras.optimizers.Adafactor(learning_rate=0.01)),
+    "adafactor": (
+        lambda: kto.Adafactor(learning_rate=0.01),
+        lambda: keras.optimizers.Adafactor(learning_rate=0.01),
+    ),
     # Keras's Adam: every row updated every step (`lazy_adam=False`), epsilon outside the square root.
     "embedding_adam": (
-        lambda: kto.EmbeddingAdam(learning_rate=0.05, beta_1=0.85, beta_2=0.97, epsilon=0.01, lazy_adam=False,
-                                  sum_inside_sqrt=False),
+        lambda: kto.EmbeddingAdam(
+            learning_rate=0.05,
+            beta_1=0.85,
+            beta_2=0.97,
+            epsilon=0.01,
+            lazy_adam=False,
+            sum_inside_sqrt=False,
+        ),
         lambda: keras.optimizers.Adam(learning_rate=0.05, beta_1=0.85, beta_2=0.97, epsilon=0.01),
     ),
 }
@@ -78,8 +89,13 @@ def test_ours_give_the_dense_gradients_numbers_where_keras_tf_optimizers_do_not(
     moved = np.abs(expected - initial).max()
     assert moved > 0.01, "the reference steps barely moved the variable: nothing to compare"
     for form in ("sparse", "dense"):
-        np.testing.assert_allclose(_train(make_ours, initial, gradients, form), expected, rtol=1e-5, atol=1e-6,
-                                   err_msg=f"ours on the {form} gradient against Keras on the dense one")
+        np.testing.assert_allclose(
+            _train(make_ours, initial, gradients, form),
+            expected,
+            rtol=1e-5,
+            atol=1e-6,
+            err_msg=f"ours on the {form} gradient against Keras on the dense one",
+        )
 
     keras_sparse = _train(make_keras, initial, gradients, "sparse")
     difference = np.abs(keras_sparse - expected).max() / moved

@@ -40,13 +40,18 @@ def numpy_of(x):
 OPTION_CASES = {
     "default": {},
     "clipping_and_decay": {
-        "clipvalue": 0.02, "clip_weight_min": -1.0, "clip_weight_max": 1.0, "weight_decay_factor": 0.05,
+        "clipvalue": 0.02,
+        "clip_weight_min": -1.0,
+        "clip_weight_max": 1.0,
+        "weight_decay_factor": 0.05,
         "multiply_weight_decay_factor_by_learning_rate": True,
     },
     "last_occurrence": {"use_gradient_accumulation": False, "sum_inside_sqrt": False},
     "rowwise_per_row": {"second_moment": "rowwise", "bias_correction": "per_row"},
     "schedule_keras_decay": {
-        "learning_rate": keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=1, decay_rate=0.5),
+        "learning_rate": keras.optimizers.schedules.ExponentialDecay(
+            0.05, decay_steps=1, decay_rate=0.5
+        ),
         "weight_decay": 0.1,
     },
     "not_lazy": {"lazy_adam": False},
@@ -68,7 +73,10 @@ def reference_arguments(options):
 def table_model(options):
     optimizer = kto.EmbeddingAdam(**{"learning_rate": 0.05, **options})
     layer = kto.layers.Embedding(
-        ROWS, DIM, optimizer=optimizer, embeddings_initializer=keras.initializers.Constant(initial_table())
+        ROWS,
+        DIM,
+        optimizer=optimizer,
+        embeddings_initializer=keras.initializers.Constant(initial_table()),
     )
     ids = keras.Input((K,), dtype="int32")
     model = keras.Model(ids, layer(ids))
@@ -77,7 +85,11 @@ def table_model(options):
 
 
 def layer_state(layer):
-    state = {"embeddings": layer.embeddings, "momenta": layer.momenta, "velocities": layer.velocities}
+    state = {
+        "embeddings": layer.embeddings,
+        "momenta": layer.momenta,
+        "velocities": layer.velocities,
+    }
     if layer.row_steps is not None:
         state["row_steps"] = layer.row_steps
     return {name: numpy_of(value) for name, value in state.items()}
@@ -113,7 +125,10 @@ def test_table_matches_numpy_embedding_adam(case):
         reference.apply_sparse(ids.reshape(-1), gradient.reshape(-1, DIM))
         assert_matches(layer, reference, before, ids)
     # The model's optimizer sees only the step count, overwritten: it keeps no state for the table.
-    assert [v.path.split("/")[-1] for v in model.optimizer.variables] == ["iteration", "learning_rate"]
+    assert [v.path.split("/")[-1] for v in model.optimizer.variables] == [
+        "iteration",
+        "learning_rate",
+    ]
 
 
 def pooled_model(layer, head_optimizer):
@@ -145,7 +160,9 @@ def test_mixed_model_in_fit(head_optimizer):
     trained by `fit`: the table against the numpy EmbeddingAdam, the head against Keras's optimizer, both fed
     the gradients of the MSE computed in numpy."""
     layer = kto.layers.Embedding(
-        ROWS, DIM, optimizer=kto.EmbeddingAdam(0.05, clipvalue=0.5),
+        ROWS,
+        DIM,
+        optimizer=kto.EmbeddingAdam(0.05, clipvalue=0.5),
         embeddings_initializer=keras.initializers.Constant(initial_table()),
     )
     model, head = pooled_model(layer, HEAD_OPTIMIZERS[head_optimizer]())
@@ -165,12 +182,17 @@ def test_mixed_model_in_fit(head_optimizer):
         d_rows = np.repeat((d_prediction @ w.T)[:, None, :] / K, K, axis=1)
         reference.apply_sparse(batch_ids.reshape(-1), d_rows.reshape(-1, DIM))
         reference_head.apply(
-            [keras.ops.convert_to_tensor(g, "float32") for g in (pooled.T @ d_prediction, d_prediction.sum(axis=0))],
+            [
+                keras.ops.convert_to_tensor(g, "float32")
+                for g in (pooled.T @ d_prediction, d_prediction.sum(axis=0))
+            ],
             [reference_kernel, reference_bias],
         )
     model.fit(ids, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     assert_matches(layer, reference)
-    np.testing.assert_allclose(numpy_of(head.kernel), numpy_of(reference_kernel), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        numpy_of(head.kernel), numpy_of(reference_kernel), rtol=1e-5, atol=1e-6
+    )
     np.testing.assert_allclose(numpy_of(head.bias), numpy_of(reference_bias), rtol=1e-5, atol=1e-6)
     # The head's optimizer keeps state for the head alone.
     table_state = [v for v in model.optimizer.variables if "embedding" in v.path]
@@ -205,7 +227,12 @@ def test_optimizer_none_is_keras_embedding():
     trained by the model's optimizer."""
     results = []
     for layer_class in (keras.layers.Embedding, kto.layers.Embedding):
-        layer = layer_class(ROWS, DIM, embeddings_initializer=keras.initializers.Constant(initial_table()), mask_zero=True)
+        layer = layer_class(
+            ROWS,
+            DIM,
+            embeddings_initializer=keras.initializers.Constant(initial_table()),
+            mask_zero=True,
+        )
         ids = keras.Input((K,), dtype="int32")
         model = keras.Model(ids, layer(ids))
         model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
@@ -213,7 +240,9 @@ def test_optimizer_none_is_keras_embedding():
             model.train_on_batch(np.asarray(batch, np.int32), targets(step, (BATCH, K, DIM)))
         results.append(([v.path.split("/")[-1] for v in layer.weights], numpy_of(layer.embeddings)))
         mask = layer.compute_mask(np.asarray(STEP_IDS[0], np.int32))
-        np.testing.assert_array_equal(keras.ops.convert_to_numpy(mask), np.asarray(STEP_IDS[0]) != 0)
+        np.testing.assert_array_equal(
+            keras.ops.convert_to_numpy(mask), np.asarray(STEP_IDS[0]) != 0
+        )
     assert results[0][0] == results[1][0] == ["embeddings"]
     np.testing.assert_array_equal(results[0][1], results[1][1])
 
@@ -243,12 +272,21 @@ def test_save_and_load_resume_exactly(tmp_path):
     [
         ({"optimizer": "adam"}, "optimizer"),
         ({"optimizer": kto.EmbeddingAdam(use_ema=True)}, "use_ema"),
-        ({"optimizer": kto.EmbeddingAdam(gradient_accumulation_steps=2)}, "gradient_accumulation_steps"),
+        (
+            {"optimizer": kto.EmbeddingAdam(gradient_accumulation_steps=2)},
+            "gradient_accumulation_steps",
+        ),
         ({"optimizer": kto.EmbeddingAdam(clipnorm=1.0)}, "clipnorm"),
         ({"optimizer": kto.EmbeddingAdam(global_clipnorm=1.0)}, "global_clipnorm"),
         ({"optimizer": kto.EmbeddingAdam(skip_nonfinite_updates=True)}, "skip_nonfinite_updates"),
-        ({"optimizer": kto.EmbeddingAdam(), "embeddings_regularizer": "l2"}, "embeddings_regularizer"),
-        ({"optimizer": kto.EmbeddingAdam(), "embeddings_constraint": "non_neg"}, "embeddings_constraint"),
+        (
+            {"optimizer": kto.EmbeddingAdam(), "embeddings_regularizer": "l2"},
+            "embeddings_regularizer",
+        ),
+        (
+            {"optimizer": kto.EmbeddingAdam(), "embeddings_constraint": "non_neg"},
+            "embeddings_constraint",
+        ),
         ({"optimizer": kto.EmbeddingAdam(), "dtype": "mixed_float16"}, "mixed_float16"),
     ],
 )
@@ -257,7 +295,9 @@ def test_unsupported_options_raise_naming_them(arguments, named):
         kto.layers.Embedding(ROWS, DIM, **arguments)
 
 
-@pytest.mark.parametrize("name, value", [("use_ema", True), ("second_moment", "rowwise"), ("bias_correction", "per_row")])
+@pytest.mark.parametrize(
+    "name, value", [("use_ema", True), ("second_moment", "rowwise"), ("bias_correction", "per_row")]
+)
 def test_option_set_after_construction_is_checked_at_the_next_step(name, value):
     model, layer = table_model({})
     setattr(layer.optimizer, name, value)
@@ -274,11 +314,18 @@ def test_public_names_beyond_keras_embedding_are_documented():
     added = public(ours) - public(keras_layer)
     assert added == {"optimizer", "iterations", "momenta", "velocities", "row_steps"}
     for name in added:
-        assert f"`{name}`" in kto.layers.Embedding.__doc__ or f"    {name}:" in kto.layers.Embedding.__doc__, name
+        assert (
+            f"`{name}`" in kto.layers.Embedding.__doc__
+            or f"    {name}:" in kto.layers.Embedding.__doc__
+        ), name
 
 
 @pytest.mark.skipif(BACKEND == "torch", reason="torch runs eagerly: no compiler to insert copies")
-@pytest.mark.parametrize("options", [{}, {"bias_correction": "per_row", "second_moment": "rowwise"}], ids=["full", "row_slots"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"bias_correction": "per_row", "second_moment": "rowwise"}],
+    ids=["full", "row_slots"],
+)
 def test_compiled_train_step_copies_no_table_or_slot(options):
     """Keras's compiled train step (JAX: `jax.jit(model.train_step, donate_argnums=0)`, as `fit` runs it; TF: the
     train function under `jit_compile=True`) writes the table and its slots in place: its optimized HLO copies
@@ -299,7 +346,9 @@ def test_compiled_train_step_copies_no_table_or_slot(options):
         state = tuple(
             [v.value for v in variables]
             for variables in (
-                model.trainable_variables, model.non_trainable_variables, model.optimizer.variables,
+                model.trainable_variables,
+                model.non_trainable_variables,
+                model.optimizer.variables,
                 model.metrics_variables,
             )
         )
@@ -309,19 +358,33 @@ def test_compiled_train_step_copies_no_table_or_slot(options):
 
         model.train_on_batch(x, y)  # builds the optimizer and the train function
         step = tf.function(model.train_step, jit_compile=True)
-        hlo = step.experimental_get_compiler_ir((tf.constant(x), tf.constant(y)))(stage="optimized_hlo")
-    copies = [line for line in hlo.splitlines() if " copy(" in line and re.search(rf"\[{rows}[,\]]", line)]
+        hlo = step.experimental_get_compiler_ir((tf.constant(x), tf.constant(y)))(
+            stage="optimized_hlo"
+        )
+    copies = [
+        line for line in hlo.splitlines() if " copy(" in line and re.search(rf"\[{rows}[,\]]", line)
+    ]
     assert not copies, "the compiled step copies a table or a slot:\n" + "\n".join(copies)
     table_lines = [line for line in hlo.splitlines() if f"[{rows},{DIM}]" in line]
-    assert any("scatter" in line.lower() for line in table_lines), "no row scatter into the table found"
+    assert any("scatter" in line.lower() for line in table_lines), (
+        "no row scatter into the table found"
+    )
 
 
 def pooled_layer_model(seed=0):
     """ids -> ours (its own EmbeddingAdam) -> flatten -> Dense head, compiled with Keras's Adam."""
     keras.utils.set_random_seed(seed)
-    layer = kto.layers.Embedding(ROWS, DIM, optimizer=kto.EmbeddingAdam(0.05, clipvalue=0.5), name="table")
-    model = keras.Sequential([keras.Input((K,), dtype="int32"), layer, keras.layers.Flatten(),
-                              keras.layers.Dense(1, name="head")])
+    layer = kto.layers.Embedding(
+        ROWS, DIM, optimizer=kto.EmbeddingAdam(0.05, clipvalue=0.5), name="table"
+    )
+    model = keras.Sequential(
+        [
+            keras.Input((K,), dtype="int32"),
+            layer,
+            keras.layers.Flatten(),
+            keras.layers.Dense(1, name="head"),
+        ]
+    )
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     return model, layer
 
@@ -339,9 +402,13 @@ def test_orbax_checkpoint_resumes_with_load_checkpoint(tmp_path):
     keras.backend.clear_session(free_memory=False)
     model, layer = pooled_layer_model(seed=0)
     directory = str(tmp_path / "ckpt")
-    checkpoint = keras.callbacks.OrbaxCheckpoint(directory, save_freq=len(STEP_IDS), save_on_background=False)
+    checkpoint = keras.callbacks.OrbaxCheckpoint(
+        directory, save_freq=len(STEP_IDS), save_on_background=False
+    )
     model.fit(ids, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[checkpoint])
-    keras.backend.clear_session(free_memory=False)  # the fresh model gets the saved model's layer names
+    keras.backend.clear_session(
+        free_memory=False
+    )  # the fresh model gets the saved model's layer names
     restored, restored_layer = pooled_layer_model(seed=1)
     kto.load_checkpoint(restored, directory)
     for trained in (model, restored):
@@ -351,20 +418,28 @@ def test_orbax_checkpoint_resumes_with_load_checkpoint(tmp_path):
     assert float(numpy_of(restored_layer.iterations)) == len(STEP_IDS) + 1
 
 
-@pytest.mark.skipif(BACKEND != "jax", reason=f"keras.distribution runs on the JAX backend; this run is {BACKEND}")
+@pytest.mark.skipif(
+    BACKEND != "jax", reason=f"keras.distribution runs on the JAX backend; this run is {BACKEND}"
+)
 def test_jax_model_parallel_rows_split_matches_one_device():
     """The table split by rows over 4 of 8 devices (`ModelParallel`), its slots laid out like it: the same numbers
     as on one device."""
     if len(keras.distribution.list_devices()) < 8:
-        pytest.skip("needs 8 JAX devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (dev/test.sh sets it)")
+        pytest.skip(
+            "needs 8 JAX devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (dev/test.sh sets it)"
+        )
     ids, y = fit_data()
     single, _ = pooled_layer_model()
     single.fit(ids, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
 
-    mesh = keras.distribution.DeviceMesh((2, 4), ("batch", "model"), keras.distribution.list_devices())
+    mesh = keras.distribution.DeviceMesh(
+        (2, 4), ("batch", "model"), keras.distribution.list_devices()
+    )
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map[".*table/(embeddings|momenta|velocities)"] = ("model", None)
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    )
     try:
         split, layer = pooled_layer_model()
         split.fit(ids, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
@@ -374,7 +449,9 @@ def test_jax_model_parallel_rows_split_matches_one_device():
         assert len(variable.value.sharding.device_set) == 8
         assert variable.value.addressable_shards[0].data.shape == (ROWS // 4, DIM), variable.path
     for want, got in zip(single.weights, split.weights):
-        np.testing.assert_allclose(numpy_of(got), numpy_of(want), rtol=1e-5, atol=1e-7, err_msg=want.path)
+        np.testing.assert_allclose(
+            numpy_of(got), numpy_of(want), rtol=1e-5, atol=1e-7, err_msg=want.path
+        )
 
 
 def test_two_lookups_in_one_step_raise():
@@ -405,12 +482,22 @@ def test_tf_distribute_strategy_raises():
         model.train_on_batch(np.asarray(STEP_IDS[0], np.int32), targets(0, (BATCH, K, DIM)))
 
 
-@pytest.mark.parametrize("wrap, named", [
-    (lambda adam: keras.optimizers.LossScaleOptimizer(adam), "LossScaleOptimizer"),
-    (lambda adam: keras.optimizers.Adam(0.01, gradient_accumulation_steps=2), "gradient_accumulation_steps=2"),
-    (lambda adam: keras.optimizers.Adam(0.01, loss_scale_factor=128.0), "loss_scale_factor=128.0"),
-    (lambda adam: kto.Adafactor(skip_nonfinite_updates=True), "skip_nonfinite_updates=True"),
-], ids=["loss_scale", "accumulation", "loss_scale_factor", "skip_nonfinite"])
+@pytest.mark.parametrize(
+    "wrap, named",
+    [
+        (lambda adam: keras.optimizers.LossScaleOptimizer(adam), "LossScaleOptimizer"),
+        (
+            lambda adam: keras.optimizers.Adam(0.01, gradient_accumulation_steps=2),
+            "gradient_accumulation_steps=2",
+        ),
+        (
+            lambda adam: keras.optimizers.Adam(0.01, loss_scale_factor=128.0),
+            "loss_scale_factor=128.0",
+        ),
+        (lambda adam: kto.Adafactor(skip_nonfinite_updates=True), "skip_nonfinite_updates=True"),
+    ],
+    ids=["loss_scale", "accumulation", "loss_scale_factor", "skip_nonfinite"],
+)
 def test_model_optimizer_that_scales_or_accumulates_raises_naming_it(wrap, named):
     """The looked-up rows' gradient would arrive scaled by the loss scale, the table would be updated at every
     micro-step of an accumulated step, or a skipped step could not undo its update: the first training call
@@ -422,6 +509,8 @@ def test_model_optimizer_that_scales_or_accumulates_raises_naming_it(wrap, named
     with pytest.raises(ValueError, match=named):
         model.train_on_batch(ids[:BATCH], y[:BATCH])
     np.testing.assert_array_equal(numpy_of(layer.embeddings), before)
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")  # an unscaled optimizer trains on
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01), loss="mse"
+    )  # an unscaled optimizer trains on
     model.train_on_batch(ids[:BATCH], y[:BATCH])
     assert float(numpy_of(layer.iterations)) == 1

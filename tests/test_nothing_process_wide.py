@@ -47,7 +47,9 @@ class RecordingEnviron(dict):
 
 
 def a_step_of_each_optimizer():
-    table = keras.Variable(np.ones((200_000, 64), "float32"), name="table")  # 51 MB: above any size threshold
+    table = keras.Variable(
+        np.ones((200_000, 64), "float32"), name="table"
+    )  # 51 MB: above any size threshold
     kernel = keras.Variable(np.ones((1024, 4096), "float32"), name="kernel")
     embedding_adam, adafactor = kto.EmbeddingAdam(0.01), kto.Adafactor(0.01)
     embedding_adam.build([table])
@@ -72,4 +74,7 @@ def test_build_and_steps_register_no_listener():
 
     listeners = (len(monitoring._event_duration_secs_listeners), len(monitoring._event_listeners))
     a_step_of_each_optimizer()
-    assert (len(monitoring._event_duration_secs_listeners), len(monitoring._event_listeners)) == listeners
+    assert (
+        len(monitoring._event_duration_secs_listeners),
+        len(monitoring._event_listeners),
+    ) == listeners

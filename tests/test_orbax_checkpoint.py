@@ -32,7 +32,9 @@ def _trained(tmp_path, optimizer):
     x, y = make_data("mlp", STEPS * BATCH)
     model = _model(optimizer)
     directory = str(tmp_path / "ckpt")
-    checkpoint = keras.callbacks.OrbaxCheckpoint(directory, save_freq=STEPS, save_on_background=False)
+    checkpoint = keras.callbacks.OrbaxCheckpoint(
+        directory, save_freq=STEPS, save_on_background=False
+    )
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[checkpoint])
     return model, directory
 
@@ -42,7 +44,10 @@ def test_restores_weights_and_state_of_an_unbuilt_optimizer(tmp_path):
     model = _model(seed=2, optimizer=kto.Adafactor(learning_rate=0.1, beta_1=0.9))
     assert not model.optimizer.built
     kto.load_checkpoint(model, directory)
-    for got, want in zip(weights_of(model) + optimizer_state(model.optimizer), weights_of(trained) + optimizer_state(trained.optimizer)):
+    for got, want in zip(
+        weights_of(model) + optimizer_state(model.optimizer),
+        weights_of(trained) + optimizer_state(trained.optimizer),
+    ):
         np.testing.assert_array_equal(got, want)
     assert len(optimizer_state(model.optimizer)) == len(optimizer_state(trained.optimizer))
 
@@ -61,7 +66,11 @@ def test_keras_load_weights_skips_the_slots_of_an_unbuilt_optimizer(tmp_path):
 @pytest.mark.parametrize(
     "saved, here, setting",
     [
-        (lambda: kto.Adafactor(learning_rate=0.1, beta_1=0.9), lambda: kto.Adafactor(learning_rate=0.1), "beta_1"),
+        (
+            lambda: kto.Adafactor(learning_rate=0.1, beta_1=0.9),
+            lambda: kto.Adafactor(learning_rate=0.1),
+            "beta_1",
+        ),
         (
             lambda: kto.Adafactor(learning_rate=0.1),
             lambda: kto.Adafactor(learning_rate=0.1, min_dim_size_to_factor=1000),
@@ -70,7 +79,9 @@ def test_keras_load_weights_skips_the_slots_of_an_unbuilt_optimizer(tmp_path):
         (lambda: kto.EmbeddingAdam(0.1), lambda: kto.EmbeddingAdam(0.1, use_ema=True), "use_ema"),
     ],
 )
-def test_a_differently_configured_optimizer_raises_and_changes_nothing(tmp_path, saved, here, setting):
+def test_a_differently_configured_optimizer_raises_and_changes_nothing(
+    tmp_path, saved, here, setting
+):
     _, directory = _trained(tmp_path, saved())
     model = _model(seed=2, optimizer=here())
     model.optimizer.build(model.trainable_variables)
@@ -94,7 +105,9 @@ def test_a_schedule_in_place_of_a_float_learning_rate_resumes(tmp_path):
 def test_other_layer_names_raise(tmp_path):
     """Keras would load nothing (paths differ) and say nothing."""
     _, directory = _trained(tmp_path, kto.Adafactor(learning_rate=0.1))
-    model = compile_model(make_model("mlp", seed=2), "mlp", kto.Adafactor(learning_rate=0.1))  # dense_2, dense_3
+    model = compile_model(
+        make_model("mlp", seed=2), "mlp", kto.Adafactor(learning_rate=0.1)
+    )  # dense_2, dense_3
     with pytest.raises(ValueError, match="which the checkpoint lacks"):
         kto.load_checkpoint(model, directory)
 
@@ -140,7 +153,10 @@ print("RESULTS " + json.dumps(results))
 """
 
 
-@pytest.mark.skipif(keras.backend.backend() != "jax", reason="placement on devices is JAX's: TF and torch checkpoints hold plain arrays")
+@pytest.mark.skipif(
+    keras.backend.backend() != "jax",
+    reason="placement on devices is JAX's: TF and torch checkpoints hold plain arrays",
+)
 @pytest.mark.processes
 def test_a_checkpoint_of_8_sharded_devices_restores_on_one_device(tmp_path):
     """Keras's `load_weights` without a distribution asks Orbax for the saved placements,
@@ -154,7 +170,9 @@ def test_a_checkpoint_of_8_sharded_devices_restores_on_one_device(tmp_path):
     import jax
 
     if len(jax.devices()) < 8:
-        pytest.skip("needs 8 JAX devices (XLA_FLAGS=--xla_force_host_platform_device_count=8, as dev/test.sh sets)")
+        pytest.skip(
+            "needs 8 JAX devices (XLA_FLAGS=--xla_force_host_platform_device_count=8, as dev/test.sh sets)"
+        )
     mesh = keras.distribution.DeviceMesh((2, 4), ["model", "batch"], jax.devices()[:8])
     layouts = keras.distribution.LayoutMap(mesh)
     layouts[".*dense/kernel"] = (None, "model")
@@ -164,15 +182,28 @@ def test_a_checkpoint_of_8_sharded_devices_restores_on_one_device(tmp_path):
         kernel = trained.trainable_variables[0]
         assert len(kernel.value.sharding.device_set) == 8
         variables = trained.trainable_variables + trained.optimizer.variables
-        np.savez(tmp_path / "want.npz", **{v.path: keras.ops.convert_to_numpy(v.value) for v in variables})
+        np.savez(
+            tmp_path / "want.npz",
+            **{v.path: keras.ops.convert_to_numpy(v.value) for v in variables},
+        )
     script = tmp_path / "restore.py"
     script.write_text(_RESTORE_ON_ONE_DEVICE)
     tests = str(Path(__file__).resolve().parent)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="2")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(tests).parent), tests, env.get("PYTHONPATH")]))
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+        KERAS_BACKEND="jax",
+        TF_CPP_MIN_LOG_LEVEL="2",
+    )
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(Path(tests).parent), tests, env.get("PYTHONPATH")])
+    )
     run = subprocess.run(
         [sys.executable, str(script), directory, str(tmp_path / "want.npz")],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     (line,) = [line for line in run.stdout.splitlines() if line.startswith("RESULTS ")]
@@ -182,7 +213,10 @@ def test_a_checkpoint_of_8_sharded_devices_restores_on_one_device(tmp_path):
     assert results["ours_schedule"] == f"RESTORED {len(variables) - 1}", results
 
 
-@pytest.mark.skipif(keras.backend.backend() != "jax", reason="TF and torch restore through Keras's model.load_weights (no placement)")
+@pytest.mark.skipif(
+    keras.backend.backend() != "jax",
+    reason="TF and torch restore through Keras's model.load_weights (no placement)",
+)
 def test_a_checkpoint_orbax_cannot_place_raises_and_changes_nothing(tmp_path, monkeypatch):
     from keras_tpu_optim import _orbax
 
@@ -194,10 +228,14 @@ def test_a_checkpoint_orbax_cannot_place_raises_and_changes_nothing(tmp_path, mo
     ocp = _orbax._ocp()
 
     def refuse(*args, **kwargs):
-        raise RuntimeError("The available devices are different from the devices used to save the checkpoint.")
+        raise RuntimeError(
+            "The available devices are different from the devices used to save the checkpoint."
+        )
 
     monkeypatch.setattr(ocp, "load_checkpointables", refuse)
-    with pytest.raises(ValueError, match="onto this process's devices .*devices used to save.*Nothing was loaded"):
+    with pytest.raises(
+        ValueError, match="onto this process's devices .*devices used to save.*Nothing was loaded"
+    ):
         kto.load_checkpoint(model, directory)
     for got, want in zip(weights_of(model) + optimizer_state(model.optimizer), before):
         np.testing.assert_array_equal(got, want)

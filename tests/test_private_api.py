@@ -50,7 +50,9 @@ def test_learning_rate_at_the_current_step_is_keras_learning_rate(learning_rate)
 def test_learning_rate_at_another_step_follows_the_schedule():
     schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 2, 0.5)
     optimizer = kto.EmbeddingAdam(schedule)
-    assert float(keras.ops.convert_to_numpy(_private.learning_rate_at(optimizer, 4))) == pytest.approx(0.025)
+    assert float(
+        keras.ops.convert_to_numpy(_private.learning_rate_at(optimizer, 4))
+    ) == pytest.approx(0.025)
 
 
 def test_variable_bookkeeping():
@@ -62,7 +64,9 @@ def test_variable_bookkeeping():
     assert _private.trainable_variables(optimizer) == [kernel, bias]
     assert _private.variable_index(optimizer, bias) == 1
     assert not _private.overwritten_with_gradient(optimizer, kernel)
-    assert _private.uses_weight_decay(optimizer, kernel) and not _private.uses_weight_decay(optimizer, bias)
+    assert _private.uses_weight_decay(optimizer, kernel) and not _private.uses_weight_decay(
+        optimizer, bias
+    )
     assert _private.has_weight_decay_exclusions(optimizer)
     assert not _private.has_weight_decay_exclusions(kto.Adafactor(weight_decay=0.1))
     averages = _private.moving_averages(optimizer)
@@ -89,9 +93,13 @@ def test_weight_decay_decision_of_an_unbuilt_optimizer():
     optimizer.exclude_from_weight_decay(var_list=[table], var_names=["bias"])
     expected = {"kernel": True, "bias": False, "table": False}
     assert not optimizer.built
-    assert {v.name: _private.uses_weight_decay(optimizer, v) for v in (kernel, bias, table)} == expected
+    assert {
+        v.name: _private.uses_weight_decay(optimizer, v) for v in (kernel, bias, table)
+    } == expected
     optimizer.build([kernel, bias, table])
-    assert {v.name: _private.uses_weight_decay(optimizer, v) for v in (kernel, bias, table)} == expected
+    assert {
+        v.name: _private.uses_weight_decay(optimizer, v) for v in (kernel, bias, table)
+    } == expected
 
 
 def test_overwritten_with_gradient_variables_are_seen():
@@ -101,7 +109,9 @@ def test_overwritten_with_gradient_variables_are_seen():
     assert _private.overwritten_with_gradient(optimizer, variable)
 
 
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA-context test is the TF backend's")
+@pytest.mark.skipif(
+    BACKEND != "tensorflow", reason="TensorFlow's XLA-context test is the TF backend's"
+)
 def test_tf_in_xla_context():
     import tensorflow as tf
 
@@ -159,7 +169,9 @@ def test_keras_gradient_clipping_hook_is_the_one_embedding_adam_overrides():
     assert optimizer.clipvalue == 0.1
     gradient = keras.ops.convert_to_tensor(np.array([[3.0, 4.0], [0.0, 0.0]], np.float32))
     (clipped,) = optimizer._clip_gradients([gradient])
-    np.testing.assert_allclose(keras.ops.convert_to_numpy(clipped), [[0.6, 0.8], [0.0, 0.0]], rtol=1e-6)
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(clipped), [[0.6, 0.8], [0.0, 0.0]], rtol=1e-6
+    )
 
 
 def test_layout_map_of_a_distribution():
@@ -167,8 +179,15 @@ def test_layout_map_of_a_distribution():
         pytest.skip("keras.distribution.ModelParallel needs the JAX backend and 2 devices")
     mesh = keras.distribution.DeviceMesh((2,), ["model"], keras.distribution.list_devices()[:2])
     layout_map = keras.distribution.LayoutMap(mesh)
-    assert _private.layout_map(keras.distribution.ModelParallel(layout_map=layout_map)) is layout_map
-    assert _private.layout_map(keras.distribution.DataParallel(devices=keras.distribution.list_devices()[:2])) is None
+    assert (
+        _private.layout_map(keras.distribution.ModelParallel(layout_map=layout_map)) is layout_map
+    )
+    assert (
+        _private.layout_map(
+            keras.distribution.DataParallel(devices=keras.distribution.list_devices()[:2])
+        )
+        is None
+    )
 
 
 def test_raw_iterations_counts_apply_calls_under_gradient_accumulation():
@@ -225,8 +244,12 @@ def test_accumulation_hook_exists_and_apply_calls_it(monkeypatch):
 def test_keras_step_parts_the_accumulation_calls():
     """The parts of Keras's step `_backend.neutral.accumulated_apply` runs: clip, decay, update loop, EMA hooks."""
     variable = keras.Variable(np.ones((3, 2), np.float32))
-    optimizer = built(kto.EmbeddingAdam(0.1, clipnorm=1.0, use_ema=True, ema_overwrite_frequency=1), [variable])
-    gradient = keras.ops.convert_to_tensor(np.array([[3.0, 4.0], [0.0, 0.0], [0.0, 0.0]], np.float32))
+    optimizer = built(
+        kto.EmbeddingAdam(0.1, clipnorm=1.0, use_ema=True, ema_overwrite_frequency=1), [variable]
+    )
+    gradient = keras.ops.convert_to_tensor(
+        np.array([[3.0, 4.0], [0.0, 0.0], [0.0, 0.0]], np.float32)
+    )
     (clipped,) = _private.clip_gradients(optimizer, [gradient])
     np.testing.assert_allclose(keras.ops.convert_to_numpy(clipped)[0], [0.6, 0.8], rtol=1e-6)
     _private.apply_weight_decay(optimizer, [variable])  # EmbeddingAdam's: lazy, so nothing here

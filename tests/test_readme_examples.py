@@ -15,7 +15,9 @@ def _python_block_after(heading):
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
-@pytest.mark.skipif(keras.backend.backend() != "jax", reason="the BCOO training step is the JAX backend's")
+@pytest.mark.skipif(
+    keras.backend.backend() != "jax", reason="the BCOO training step is the JAX backend's"
+)
 def test_jax_bcoo_training_step_example_runs(capsys):
     exec(compile(_python_block_after("## Sparse gradients on JAX"), "README.md", "exec"), {})
     printed = capsys.readouterr().out.split()
@@ -26,9 +28,20 @@ def test_jax_bcoo_training_step_example_runs(capsys):
 
 def test_recommender_example_trains_the_tables_in_fit():
     namespace = {}
-    exec(compile(_python_block_after("## A recommender: tables trained inside `fit`"), "README.md", "exec"), namespace)
+    exec(
+        compile(
+            _python_block_after("## A recommender: tables trained inside `fit`"),
+            "README.md",
+            "exec",
+        ),
+        namespace,
+    )
     users = namespace["users"]
-    assert float(keras.ops.convert_to_numpy(users.iterations)) == 8  # 8192 examples, batches of 1024
+    assert (
+        float(keras.ops.convert_to_numpy(users.iterations)) == 8
+    )  # 8192 examples, batches of 1024
     velocities = keras.ops.convert_to_numpy(users.velocities)
     touched = set(namespace["ids"][0].tolist())
-    assert set(velocities.any(axis=1).nonzero()[0].tolist()) == touched  # only looked-up rows have state
+    assert (
+        set(velocities.any(axis=1).nonzero()[0].tolist()) == touched
+    )  # only looked-up rows have state

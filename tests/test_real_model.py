@@ -22,11 +22,18 @@ VOCABULARY, SEQUENCE, BATCH, STEPS = 64, 12, 4, 4
 
 def _model():
     # Imported here, not at collection: keras-hub imports TensorFlow, whatever the backend.
-    keras_hub = pytest.importorskip("keras_hub", reason="keras-hub is a test requirement (requirements-nodeps.txt)")
+    keras_hub = pytest.importorskip(
+        "keras_hub", reason="keras-hub is a test requirement (requirements-nodeps.txt)"
+    )
     keras.utils.set_random_seed(0)
     backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=VOCABULARY, num_layers=1, num_heads=2, hidden_dim=16, intermediate_dim=64,
-        dropout=0.0, max_sequence_length=SEQUENCE,
+        vocabulary_size=VOCABULARY,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=64,
+        dropout=0.0,
+        max_sequence_length=SEQUENCE,
     )
     return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
 
@@ -43,16 +50,26 @@ def _fit(optimizer, initial_weights=None):
     if initial_weights is not None:
         model.set_weights(initial_weights)
     weights = model.get_weights()
-    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     x, y = _data()
-    history = model.fit(x, y, batch_size=BATCH, epochs=STEPS, steps_per_epoch=1, shuffle=False, verbose=0)
-    return weights, history.history["loss"], {v.path: keras.ops.convert_to_numpy(v) for v in model.weights}
+    history = model.fit(
+        x, y, batch_size=BATCH, epochs=STEPS, steps_per_epoch=1, shuffle=False, verbose=0
+    )
+    return (
+        weights,
+        history.history["loss"],
+        {v.path: keras.ops.convert_to_numpy(v) for v in model.weights},
+    )
 
 
 def test_gpt2_fit_matches_keras_adafactor():
     learning_rate = 0.01
     initial, ours, our_weights = _fit(kto.Adafactor(learning_rate=learning_rate))
-    _, theirs, their_weights = _fit(keras.optimizers.Adafactor(learning_rate=learning_rate), initial)
+    _, theirs, their_weights = _fit(
+        keras.optimizers.Adafactor(learning_rate=learning_rate), initial
+    )
     assert len(ours) == STEPS and np.all(np.isfinite(ours))
     assert ours[-1] < ours[0], ours  # it trains
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)

@@ -93,17 +93,27 @@ def _archive(filename):
 
 
 def _saved_optimizer_variables(values):
-    numbered = {int(key.rsplit("/", 1)[1]): value for key, value in values.items()
-                if key.startswith("optimizer/vars/") and key.rsplit("/", 1)[1].isdigit()}
+    numbered = {
+        int(key.rsplit("/", 1)[1]): value
+        for key, value in values.items()
+        if key.startswith("optimizer/vars/") and key.rsplit("/", 1)[1].isdigit()
+    }
     assert sorted(numbered) == list(range(len(numbered)))
     return [numbered[i] for i in range(len(numbered))]
 
 
 def _saved_layer_weights(values, group_names, layer_name):
-    groups = [path for path, name in group_names.items() if name == layer_name and path.startswith("layers/")]
+    groups = [
+        path
+        for path, name in group_names.items()
+        if name == layer_name and path.startswith("layers/")
+    ]
     assert len(groups) == 1, (layer_name, group_names)
-    numbered = {int(key.rsplit("/", 1)[1]): value for key, value in values.items()
-                if key.rsplit("/", 1)[0] == groups[0]}
+    numbered = {
+        int(key.rsplit("/", 1)[1]): value
+        for key, value in values.items()
+        if key.rsplit("/", 1)[0] == groups[0]
+    }
     return [numbered[i] for i in range(len(numbered))]
 
 
@@ -136,9 +146,13 @@ def test_file_is_what_the_generator_wrote(filename):
     assert [tuple(v.shape) for v in saved[2:]] == [shape for _, _, shape in expected["slots"]]
 
     assert f"optimizer/vars/{SIGNATURE_KEY}" in values
-    signature = json.loads(values[f"optimizer/vars/{SIGNATURE_KEY}"].astype(np.uint8).tobytes().decode("utf-8"))
+    signature = json.loads(
+        values[f"optimizer/vars/{SIGNATURE_KEY}"].astype(np.uint8).tobytes().decode("utf-8")
+    )
     assert signature["class"] == optimizer["registered_name"]
-    assert [(e["role"], e["of_path"], tuple(e["shape"])) for e in signature["variables"][2:]] == expected["slots"]
+    assert [
+        (e["role"], e["of_path"], tuple(e["shape"])) for e in signature["variables"][2:]
+    ] == expected["slots"]
     assert [e["role"] for e in signature["variables"][:2]] == ["iteration", "learning_rate"]
 
 
@@ -158,7 +172,9 @@ def test_load_model_restores_config_and_state_and_trains_on(filename):
         assert loaded_config[key] == value, (key, loaded_config[key], value)
     for key, value in expected["options"].items():
         assert loaded_config[key] == value, key
-    np.testing.assert_allclose(float(keras.ops.convert_to_numpy(optimizer.learning_rate)), 0.01, rtol=1e-6)
+    np.testing.assert_allclose(
+        float(keras.ops.convert_to_numpy(optimizer.learning_rate)), 0.01, rtol=1e-6
+    )
 
     # (b) every optimizer variable, position by position, and the model's weights.
     saved = _saved_optimizer_variables(values)
@@ -169,7 +185,11 @@ def test_load_model_restores_config_and_state_and_trains_on(filename):
     for variable in derived:
         assert keras.backend.standardize_dtype(variable.dtype) == "int32"
         np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable.value), 3)
-    restored = [keras.ops.convert_to_numpy(v.value) for v in optimizer.variables if not any(v is d for d in derived)]
+    restored = [
+        keras.ops.convert_to_numpy(v.value)
+        for v in optimizer.variables
+        if not any(v is d for d in derived)
+    ]
     assert len(restored) == len(saved)
     for position, (stored, loaded) in enumerate(zip(saved, restored)):
         assert loaded.shape == stored.shape, position
@@ -181,7 +201,9 @@ def test_load_model_restores_config_and_state_and_trains_on(filename):
     assert any(np.any(v != 0) for v in saved[2:])  # the state is not a fresh one
     for layer_name in expected["layers"]:
         stored_weights = _saved_layer_weights(values, group_names, layer_name)
-        loaded_weights = [keras.ops.convert_to_numpy(w.value) for w in model.get_layer(layer_name).weights]
+        loaded_weights = [
+            keras.ops.convert_to_numpy(w.value) for w in model.get_layer(layer_name).weights
+        ]
         assert len(loaded_weights) == len(stored_weights)
         for stored, loaded in zip(stored_weights, loaded_weights):
             np.testing.assert_array_equal(loaded, stored)

@@ -20,7 +20,10 @@ from _kto_models import compile_model, fit_steps, make_data, make_model, optimiz
 BACKEND = keras.backend.backend()
 # Keras 3.15's `optimizers.get("name")` deserializes the name, so a registered name
 # ("keras_tpu_optim>Adafactor") finds our class; 3.16's looks among Keras's own optimizers only.
-KERAS_GETS_REGISTERED_NAMES = tuple(int(part) for part in keras.__version__.split(".")[:2]) < (3, 16)
+KERAS_GETS_REGISTERED_NAMES = tuple(int(part) for part in keras.__version__.split(".")[:2]) < (
+    3,
+    16,
+)
 
 
 def _trained(kind, optimizer, steps=3, batch_size=16):
@@ -92,7 +95,13 @@ ROUND_TRIP_CASES = [
 @pytest.mark.parametrize(
     "kind, make",
     ROUND_TRIP_CASES,
-    ids=["adafactor", "embedding_adam", "loss_scaled_adafactor", "adafactor_options", "embedding_adam_rowwise_per_row"],
+    ids=[
+        "adafactor",
+        "embedding_adam",
+        "loss_scaled_adafactor",
+        "adafactor_options",
+        "embedding_adam_rowwise_per_row",
+    ],
 )
 def test_load_model_restores_config_and_every_variable(kind, make, tmp_path):
     model = _trained(kind, make())
@@ -139,14 +148,21 @@ def test_serialize_deserialize_and_lookup_by_registered_name(cls):
     [
         {"second_moment": "rowwise"},
         {"bias_correction": "per_row"},
-        {"second_moment": "rowwise", "bias_correction": "per_row", "weight_decay": 0.01, "clipvalue": 0.5},
+        {
+            "second_moment": "rowwise",
+            "bias_correction": "per_row",
+            "weight_decay": 0.01,
+            "clipvalue": 0.5,
+        },
     ],
     ids=["rowwise", "per_row", "both"],
 )
 def test_embedding_adam_new_state_saves_loads_and_resumes_exactly(options, tmp_path):
     """Save in the middle, load, continue: the same numbers as the uninterrupted run (row_steps, rowwise v)."""
     x, y = make_data("recommender", 6 * 16)
-    make = lambda: kto.EmbeddingAdam(learning_rate=keras.optimizers.schedules.ExponentialDecay(0.02, 2, 0.5), **options)
+    make = lambda: kto.EmbeddingAdam(
+        learning_rate=keras.optimizers.schedules.ExponentialDecay(0.02, 2, 0.5), **options
+    )
     uninterrupted = compile_model(make_model("recommender"), "recommender", make())
     fit_steps(uninterrupted, x[:48], y[:48], 16)
     path = str(tmp_path / "m.keras")
@@ -157,7 +173,9 @@ def test_embedding_adam_new_state_saves_loads_and_resumes_exactly(options, tmp_p
     names = [v.name for v in resumed.optimizer.variables]
     if options.get("bias_correction") == "per_row":
         steps = [v for v in resumed.optimizer.variables if v.name.endswith("row_steps")]
-        assert len(steps) == 2 and all(keras.backend.standardize_dtype(v.dtype) == "int32" for v in steps), names
+        assert len(steps) == 2 and all(
+            keras.backend.standardize_dtype(v.dtype) == "int32" for v in steps
+        ), names
         assert int(np.max(keras.ops.convert_to_numpy(steps[0]))) > 0
     fit_steps(resumed, x[48:], y[48:], 16)
     for a, b in zip(optimizer_state(uninterrupted.optimizer), optimizer_state(resumed.optimizer)):
@@ -166,17 +184,28 @@ def test_embedding_adam_new_state_saves_loads_and_resumes_exactly(options, tmp_p
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("options", [{}, {"second_moment": "rowwise", "bias_correction": "per_row"}],
-                         ids=["defaults", "rowwise_per_row"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"second_moment": "rowwise", "bias_correction": "per_row"}],
+    ids=["defaults", "rowwise_per_row"],
+)
 def test_embedding_adam_lazy_ema_saves_loads_and_resumes_exactly(options, tmp_path):
     """Lazy EMA: save in the middle (every row caught up), load, continue: the uninterrupted run's numbers."""
     x, y = make_data("recommender", 6 * 16)
-    make = lambda: kto.EmbeddingAdam(0.02, use_ema=True, ema_momentum=0.8, ema_overwrite_frequency=4, **options)
+    make = lambda: kto.EmbeddingAdam(
+        0.02, use_ema=True, ema_momentum=0.8, ema_overwrite_frequency=4, **options
+    )
     uninterrupted = compile_model(make_model("recommender"), "recommender", make())
-    uninterrupted.fit(x[:48], y[:48], batch_size=16, epochs=1, shuffle=False, verbose=0)  # ends with finalize
+    uninterrupted.fit(
+        x[:48], y[:48], batch_size=16, epochs=1, shuffle=False, verbose=0
+    )  # ends with finalize
     path = str(tmp_path / "m.keras")
     uninterrupted.save(path)
-    steps = [keras.ops.convert_to_numpy(v) for v in uninterrupted.optimizer.variables if v.name.endswith("average_steps")]
+    steps = [
+        keras.ops.convert_to_numpy(v)
+        for v in uninterrupted.optimizer.variables
+        if v.name.endswith("average_steps")
+    ]
     assert steps and all(np.all(s == 3) for s in steps)  # saving caught every row up
     uninterrupted.fit(x[48:], y[48:], batch_size=16, epochs=1, shuffle=False, verbose=0)
 
@@ -215,7 +244,9 @@ def test_registered_callables_are_saved_by_name_and_load_in_safe_mode(tmp_path):
         path = str(tmp_path / f"{kind}.keras")
         model.save(path)
         with zipfile.ZipFile(path) as archive:
-            config = json.loads(archive.read("config.json"))["compile_config"]["optimizer"]["config"]
+            config = json.loads(archive.read("config.json"))["compile_config"]["optimizer"][
+                "config"
+            ]
         if kind == "mlp":
             assert config["learning_rate"] == "kto_tests>constant_learning_rate"
         else:
@@ -232,7 +263,11 @@ def test_registered_callables_are_saved_by_name_and_load_in_safe_mode(tmp_path):
         ("mlp", lambda: kto.Adafactor(learning_rate=lambda: 0.05), "learning_rate"),
         (
             "recommender",
-            lambda: kto.EmbeddingAdam(slot_variable_creation_fn=lambda v, names, inits: make_slots_with_names(v, names, inits)),
+            lambda: kto.EmbeddingAdam(
+                slot_variable_creation_fn=lambda v, names, inits: make_slots_with_names(
+                    v, names, inits
+                )
+            ),
             "slot_variable_creation_fn",
         ),
     ],
@@ -241,7 +276,10 @@ def test_registered_callables_are_saved_by_name_and_load_in_safe_mode(tmp_path):
 def test_unregistered_callable_refuses_to_save(kind, make, argument, tmp_path):
     model = _trained(kind, make(), steps=1)
     path = tmp_path / "m.keras"
-    with pytest.raises(ValueError, match=rf"(?s)`{argument}`.*not registered serializable.*register_keras_serializable"):
+    with pytest.raises(
+        ValueError,
+        match=rf"(?s)`{argument}`.*not registered serializable.*register_keras_serializable",
+    ):
         model.save(str(path))
     # Nothing written that would need safe_mode=False.
     if path.exists():
@@ -319,11 +357,29 @@ MISMATCH_CASES = [
 def _layout(kind, make):
     model = compile_model(make_model(kind), kind, make())
     model.optimizer.build(model.trainable_variables)
-    return [(tuple(v.shape), keras.backend.standardize_dtype(v.dtype)) for v in model.optimizer.variables]
+    return [
+        (tuple(v.shape), keras.backend.standardize_dtype(v.dtype))
+        for v in model.optimizer.variables
+    ]
 
 
-@pytest.mark.parametrize("kind, make_saved, make_loading, named", MISMATCH_CASES, ids=["factoring", "momentum", "ema_vs_accumulation_same_count", "ema", "factored_dims", "momentum_dtype", "rowwise", "per_row"])
-def test_load_weights_of_differently_configured_optimizer_raises(kind, make_saved, make_loading, named, tmp_path):
+@pytest.mark.parametrize(
+    "kind, make_saved, make_loading, named",
+    MISMATCH_CASES,
+    ids=[
+        "factoring",
+        "momentum",
+        "ema_vs_accumulation_same_count",
+        "ema",
+        "factored_dims",
+        "momentum_dtype",
+        "rowwise",
+        "per_row",
+    ],
+)
+def test_load_weights_of_differently_configured_optimizer_raises(
+    kind, make_saved, make_loading, named, tmp_path
+):
     model = _trained(kind, make_saved(), steps=2)
     path = str(tmp_path / "m.weights.h5")
     model.save_weights(path)

@@ -61,7 +61,11 @@ def reference_round(x, dtype, seed, step, variable_index):
     draw = bits & np.uint32((1 << dropped) - 1)
     away = (low != 0) & (draw.astype(np.uint64) + low >= (1 << dropped))
     truncated = (magnitude >> dropped) << dropped
-    rounded = (sign | (truncated + (away.astype(np.uint32) << dropped))).astype(np.uint32).view(np.float32)
+    rounded = (
+        (sign | (truncated + (away.astype(np.uint32) << dropped)))
+        .astype(np.uint32)
+        .view(np.float32)
+    )
     if dtype == "float16":
         # Below 2^-14 the float16 grid is the multiples of 2^-24: up with probability frac(|x| * 2^24).
         scaled = np.abs(x).astype(np.float64) * 2.0**24
@@ -78,10 +82,13 @@ def neighbours(x, dtype):
     nearest = x.astype(NUMPY_DTYPES[dtype])
     codes = nearest.view(np.uint16).astype(np.int64)
     candidates = [
-        np.asarray((codes + d) & 0xFFFF, np.uint16).view(NUMPY_DTYPES[dtype]).astype(np.float64) for d in (-1, 0, 1)
+        np.asarray((codes + d) & 0xFFFF, np.uint16).view(NUMPY_DTYPES[dtype]).astype(np.float64)
+        for d in (-1, 0, 1)
     ]
     candidates += [np.zeros_like(candidates[0])]  # across zero, -0/+0
-    stack = np.stack(candidates)  # NaN candidates (bit neighbours of inf) compare False: never chosen
+    stack = np.stack(
+        candidates
+    )  # NaN candidates (bit neighbours of inf) compare False: never chosen
     below = np.where(stack <= x, stack, -np.inf).max(axis=0)
     above = np.where(stack >= x, stack, np.inf).min(axis=0)
     return below, above
@@ -92,11 +99,13 @@ def sample_values(n=4000, seed=0, with_specials=True):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=n) * 10.0 ** rng.uniform(-9, 4, size=n)
     x[:50] = np.round(x[:50])  # small integers: exact in both dtypes
-    x[50:100] = rng.uniform(-2.0**-14, 2.0**-14, size=50)  # float16 subnormal range
+    x[50:100] = rng.uniform(-(2.0**-14), 2.0**-14, size=50)  # float16 subnormal range
     x = x.astype(np.float32)
     x = x[np.abs(x) > 2.0**-100]  # no float32 subnormals (some backends flush them)
     if with_specials:
-        x = np.concatenate([x, np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -3.0], np.float32)])
+        x = np.concatenate(
+            [x, np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -3.0], np.float32)]
+        )
     return x
 
 
@@ -112,7 +121,12 @@ def round_on_backend(x, dtype, seed, step, variable_index):
 
 @pytest.mark.parametrize(
     "shape, seed, step, variable_index",
-    [((), 0, 1, 0), ((7,), 1, 2, 3), ((3, 5, 4), 12345, 1000, 17), ((2, 300), 2**31 - 1, 2**31 - 1, 2**20)],
+    [
+        ((), 0, 1, 0),
+        ((7,), 1, 2, 3),
+        ((3, 5, 4), 12345, 1000, 17),
+        ((2, 300), 2**31 - 1, 2**31 - 1, 2**20),
+    ],
 )
 def test_random_bits_match_the_unsigned_hash(shape, seed, step, variable_index):
     bits = stochastic_rounding.random_bits(shape, seed, ops.convert_to_tensor(step), variable_index)
@@ -143,7 +157,9 @@ def test_rounding_is_bitwise_the_numpy_reference(dtype):
         # NaN stays NaN (its sign and payload are the framework's cast's); every other value bit for bit.
         np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
         number = ~np.isnan(want)
-        np.testing.assert_array_equal(got[number].view(np.uint32), want[number].view(np.uint32), err_msg=f"{seed}")
+        np.testing.assert_array_equal(
+            got[number].view(np.uint32), want[number].view(np.uint32), err_msg=f"{seed}"
+        )
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -169,7 +185,9 @@ def test_mean_over_seeds_is_the_float32_value(dtype):
     The n draws of a value: 20 seeds times 20 copies of it at other element indices."""
     rng = np.random.default_rng(3)
     base = rng.uniform(1.0, 2.0, size=32).astype(np.float32)
-    x = np.concatenate([base, -base / 3, base * 2.0**-20]).astype(np.float32)  # the last in fp16's subnormals
+    x = np.concatenate([base, -base / 3, base * 2.0**-20]).astype(
+        np.float32
+    )  # the last in fp16's subnormals
     below, above = neighbours(x, dtype)
     seeds, copies = 20, 20
     n = seeds * copies
@@ -219,12 +237,16 @@ def test_bf16_training_tracks_float32_closer_than_round_to_nearest():
     kwargs = dict(learning_rate=1e-3, relative_step=False)
     reference = _values(_train("float32", steps, kto.Adafactor(**kwargs)))
     nearest = _values(_train("bfloat16", steps, kto.Adafactor(**kwargs)))
-    stochastic = _values(_train("bfloat16", steps, kto.Adafactor(stochastic_rounding=True, seed=1, **kwargs)))
+    stochastic = _values(
+        _train("bfloat16", steps, kto.Adafactor(stochastic_rounding=True, seed=1, **kwargs))
+    )
     start = _regression_problem()[2]
     moved = np.sqrt(np.mean((reference - start) ** 2))
     gap_nearest = np.sqrt(np.mean((nearest - reference) ** 2))
     gap_stochastic = np.sqrt(np.mean((stochastic - reference) ** 2))
-    print(f"moved {moved:.4f}, round-to-nearest gap {gap_nearest:.4f}, stochastic gap {gap_stochastic:.4f}")
+    print(
+        f"moved {moved:.4f}, round-to-nearest gap {gap_nearest:.4f}, stochastic gap {gap_stochastic:.4f}"
+    )
     assert gap_stochastic < 0.5 * gap_nearest
     assert gap_stochastic < 0.2 * moved
 
@@ -249,8 +271,14 @@ def test_seed_changes_the_rounding_and_the_same_seed_repeats_it(dtype):
 def test_resumed_run_is_bit_exact():
     """Three steps, the optimizer saved (config and variables) and restored into a new one, three more
     steps: the same bits as six uninterrupted steps (the step and seed key the random bits)."""
-    kwargs = dict(learning_rate=1e-3, relative_step=False, stochastic_rounding=True, seed=11, beta_1=0.9,
-                  momentum_dtype="bfloat16")
+    kwargs = dict(
+        learning_rate=1e-3,
+        relative_step=False,
+        stochastic_rounding=True,
+        seed=11,
+        beta_1=0.9,
+        momentum_dtype="bfloat16",
+    )
     straight = _values(_train("bfloat16", 6, kto.Adafactor(**kwargs)))
     first = kto.Adafactor(**kwargs)
     weight = _train("bfloat16", 3, first)
@@ -268,7 +296,9 @@ def test_resumed_run_is_bit_exact():
 SR_KWARGS = dict(learning_rate=1e-3, relative_step=False, stochastic_rounding=True, seed=3)
 
 
-@pytest.mark.skipif(BACKEND != "jax", reason=f"jax.jit needs the JAX backend; this run is {BACKEND}")
+@pytest.mark.skipif(
+    BACKEND != "jax", reason=f"jax.jit needs the JAX backend; this run is {BACKEND}"
+)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_jax_jit_stateless_apply_gives_the_eager_bits(dtype):
     import jax
@@ -288,7 +318,9 @@ def test_jax_jit_stateless_apply_gives_the_eager_bits(dtype):
     np.testing.assert_array_equal(np.asarray(w, np.float64), eager)
 
 
-@pytest.mark.skipif(BACKEND != "tensorflow", reason=f"jit_compile needs the TF backend; this run is {BACKEND}")
+@pytest.mark.skipif(
+    BACKEND != "tensorflow", reason=f"jit_compile needs the TF backend; this run is {BACKEND}"
+)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_tf_jit_compile_gives_the_eager_bits(dtype):
     import tensorflow as tf
@@ -318,10 +350,14 @@ def test_jax_sharded_variable_gives_the_single_device_bits():
     if len(keras.distribution.list_devices()) < 8:
         pytest.skip("needs 8 JAX devices: XLA_FLAGS=--xla_force_host_platform_device_count=8")
     single = _values(_train("bfloat16", 3, kto.Adafactor(**SR_KWARGS)))
-    mesh = keras.distribution.DeviceMesh((2, 4), ("batch", "model"), keras.distribution.list_devices())
+    mesh = keras.distribution.DeviceMesh(
+        (2, 4), ("batch", "model"), keras.distribution.list_devices()
+    )
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map["w"] = (None, "model")
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    )
     try:
         weight = _train("bfloat16", 3, kto.Adafactor(**SR_KWARGS))
         assert tuple(weight.value.sharding.spec) == (None, "model")

@@ -56,8 +56,15 @@ def make_state(shape, options):
 def stepper(options, chunk_elements, in_graph):
     def step(grad, variable, slots, momentum, learning_rate, step, variable_index=0):
         tf_adafactor.assigning_step(
-            grad, variable, slots, momentum, learning_rate=learning_rate, step=step, options=options,
-            variable_index=variable_index, chunk_elements=chunk_elements,
+            grad,
+            variable,
+            slots,
+            momentum,
+            learning_rate=learning_rate,
+            step=step,
+            options=options,
+            variable_index=variable_index,
+            chunk_elements=chunk_elements,
         )
 
     return tf.function(step, autograph=False) if in_graph else step
@@ -78,14 +85,28 @@ CASES = [
 
 
 @pytest.mark.parametrize("in_graph", [False, True], ids=["eager", "tf_function"])
-@pytest.mark.parametrize("chunk_elements", [blocks.CHUNK_ELEMENTS, 4], ids=["one_block", "blocks_of_4"])
 @pytest.mark.parametrize(
-    "dtype, beta_1, multiply_by_parameter_scale, schedule", CASES,
-    ids=["f32", "f32_momentum_offset_cap_no_scale", "f32_momentum", "bf16_offset_cap_no_scale", "bf16_momentum"],
+    "chunk_elements", [blocks.CHUNK_ELEMENTS, 4], ids=["one_block", "blocks_of_4"]
 )
-def test_matches_numpy_reference(dtype, beta_1, multiply_by_parameter_scale, schedule, chunk_elements, in_graph):
+@pytest.mark.parametrize(
+    "dtype, beta_1, multiply_by_parameter_scale, schedule",
+    CASES,
+    ids=[
+        "f32",
+        "f32_momentum_offset_cap_no_scale",
+        "f32_momentum",
+        "bf16_offset_cap_no_scale",
+        "bf16_momentum",
+    ],
+)
+def test_matches_numpy_reference(
+    dtype, beta_1, multiply_by_parameter_scale, schedule, chunk_elements, in_graph
+):
     reference = NumpyAdafactor(
-        learning_rate=0.5, beta_1=beta_1, multiply_by_parameter_scale=multiply_by_parameter_scale, **schedule
+        learning_rate=0.5,
+        beta_1=beta_1,
+        multiply_by_parameter_scale=multiply_by_parameter_scale,
+        **schedule,
     )
     options = make_options(reference)
     step_fn = stepper(options, chunk_elements, in_graph)
@@ -98,21 +119,36 @@ def test_matches_numpy_reference(dtype, beta_1, multiply_by_parameter_scale, sch
         expected = reference.step(expected, [g.astype(np_dtype) for g in step_grads])
         for param, grad, (slots, momentum) in zip(params, step_grads, states):
             # Other scalar dtypes than the kernel's float32, to exercise the casts.
-            step_fn(tf.cast(grad, dtype), param, slots, momentum, tf.constant(0.5, tf.float64), tf.constant(t + 1, tf.int64))
+            step_fn(
+                tf.cast(grad, dtype),
+                param,
+                slots,
+                momentum,
+                tf.constant(0.5, tf.float64),
+                tf.constant(t + 1, tf.int64),
+            )
         for i, (param, want) in enumerate(zip(params, expected)):
             assert param.dtype == tf.as_dtype(dtype)
             np.testing.assert_allclose(
-                as_float64(param), want.astype(np.float64), **TOLERANCES[dtype],
+                as_float64(param),
+                want.astype(np.float64),
+                **TOLERANCES[dtype],
                 err_msg=f"step {t + 1}, variable {i} of shape {SHAPES[i]}",
             )
     for i, ((slots, momentum), state) in enumerate(zip(states, reference.state)):
         names = ("row", "column") if len(slots) == 2 else ("v",)
         for slot, name in zip(slots, names):
-            np.testing.assert_allclose(as_float64(slot), state[name], rtol=1e-4, err_msg=f"{name} of variable {i}")
+            np.testing.assert_allclose(
+                as_float64(slot), state[name], rtol=1e-4, err_msg=f"{name} of variable {i}"
+            )
         if beta_1 is not None:
-            np.testing.assert_allclose(as_float64(momentum), state["m"], **TOLERANCES[dtype], err_msg=f"m {i}")
+            np.testing.assert_allclose(
+                as_float64(momentum), state["m"], **TOLERANCES[dtype], err_msg=f"m {i}"
+            )
     for i, (final, init) in enumerate(zip(expected, inits)):
-        assert not np.allclose(final.astype(np.float64), init, rtol=1e-3, atol=0), f"variable {i} never moved"
+        assert not np.allclose(final.astype(np.float64), init, rtol=1e-3, atol=0), (
+            f"variable {i} never moved"
+        )
 
 
 @pytest.mark.parametrize("in_graph", [False, True], ids=["eager", "tf_function"])
@@ -132,8 +168,12 @@ def test_two_largest_in_blocks_matches_one_block(in_graph):
         states = [make_state(s, options) for s in shapes]
         for t, step_grads in enumerate(grads):
             for param, grad, (slots, momentum) in zip(params, step_grads, states):
-                step_fn(tf.constant(grad), param, slots, momentum, tf.constant(0.01), tf.constant(t + 1))
-        finals.append([as_float64(p) for p in params] + [as_float64(s) for st in states for s in st[0]])
+                step_fn(
+                    tf.constant(grad), param, slots, momentum, tf.constant(0.01), tf.constant(t + 1)
+                )
+        finals.append(
+            [as_float64(p) for p in params] + [as_float64(s) for st in states for s in st[0]]
+        )
     for whole, blocked in zip(*finals):
         np.testing.assert_allclose(blocked, whole, rtol=1e-5, atol=1e-7)
     for final, init in zip(finals[0], inits):
@@ -156,7 +196,15 @@ def test_blocks_round_stochastically_as_one_block(in_graph):
         states = [make_state(s, options) for s in shapes]
         for t in range(3):
             for index, (param, grad, (slots, momentum)) in enumerate(zip(params, grads, states)):
-                step_fn(tf.cast(grad, tf.bfloat16), param, slots, momentum, tf.constant(0.01), tf.constant(t + 1), index)
+                step_fn(
+                    tf.cast(grad, tf.bfloat16),
+                    param,
+                    slots,
+                    momentum,
+                    tf.constant(0.01),
+                    tf.constant(t + 1),
+                    index,
+                )
         results.append([as_float64(p) for p in params])
     for blocked in results[1:]:
         for whole, part, init in zip(results[0], blocked, inits):
@@ -191,7 +239,14 @@ def test_reductions_are_block_sized_and_ordered():
     @tf.function(autograph=False)
     def step(grad):
         tf_adafactor.assigning_step(
-            grad, variable, slots, None, learning_rate=0.01, step=tf.constant(1), options=options, chunk_elements=chunk
+            grad,
+            variable,
+            slots,
+            None,
+            learning_rate=0.01,
+            step=tf.constant(1),
+            options=options,
+            chunk_elements=chunk,
         )
 
     graph = step.get_concrete_function(tf.TensorSpec(shape)).graph
@@ -246,7 +301,10 @@ def test_state_is_created_eagerly_when_built_in_a_trace(optimizer_name, monkeypa
     from keras_tpu_optim import _backend
 
     def run(in_graph, built_before=False):
-        variables = [keras.Variable(np.full((6, 4), 0.5, "float32")), keras.Variable(np.ones(4, "float32"))]
+        variables = [
+            keras.Variable(np.full((6, 4), 0.5, "float32")),
+            keras.Variable(np.ones(4, "float32")),
+        ]
         optimizer = getattr(keras_tpu_optim, optimizer_name)(learning_rate=0.1)
         if built_before:
             optimizer.build(variables)
@@ -275,7 +333,10 @@ def test_state_is_created_eagerly_when_built_in_a_trace(optimizer_name, monkeypa
     # Keras 3.16's TF optimizer creates its variables under `tf.init_scope` itself: no initializer
     # functions without ours either (the second trace remains).
     if tuple(int(part) for part in keras.__version__.split(".")[:2]) < (3, 16):
-        assert new_functions_in_scope - new_functions >= n_state, (new_functions, new_functions_in_scope)
+        assert new_functions_in_scope - new_functions >= n_state, (
+            new_functions,
+            new_functions_in_scope,
+        )
     _, eager, _, _ = run(False)
     for a, b, c, initial in zip(traced, traced_in_scope, eager, (0.5, 1.0)):
         np.testing.assert_allclose(a, c, rtol=1e-6)
@@ -296,7 +357,9 @@ def test_keras_fit_traces_the_train_step_once(optimizer_name):
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8), keras.layers.Dense(3)])
         model.compile(optimizer=optimizer, loss="mse")
-        names = lambda: {n for n in context.context().list_function_names() if "one_step_on_data" in n}  # noqa: E731
+        names = lambda: {
+            n for n in context.context().list_function_names() if "one_step_on_data" in n
+        }  # noqa: E731
         before = names()
         x, y = np.ones((8, 5), "float32"), np.zeros((8, 3), "float32")
         model.fit(x, y, batch_size=4, epochs=2, verbose=0)

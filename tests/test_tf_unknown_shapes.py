@@ -57,8 +57,10 @@ def _strategy(mode, options):
     if mode != "mirrored":
         return tf.distribute.get_strategy()
     if options.get("gradient_accumulation_steps"):
-        pytest.skip("Keras applies accumulated gradients in an ops.cond, where a tf.distribute strategy cannot "
-                    "all-reduce them (any optimizer; the README says so)")
+        pytest.skip(
+            "Keras applies accumulated gradients in an ops.cond, where a tf.distribute strategy cannot "
+            "all-reduce them (any optimizer; the README says so)"
+        )
     return mirrored_strategy()
 
 
@@ -126,7 +128,9 @@ def test_adafactor_with_unknown_gradient_shapes_matches_numpy(case, mode, unknow
     tolerance = dict(rtol=2e-2, atol=2e-2) if dtype == "bfloat16" else dict(rtol=1e-4, atol=1e-6)
     for variable, want in zip(variables, params):
         got = keras.ops.convert_to_numpy(keras.ops.cast(variable, "float32"))
-        np.testing.assert_allclose(got, np.asarray(want, np.float32), err_msg=variable.name, **tolerance)
+        np.testing.assert_allclose(
+            got, np.asarray(want, np.float32), err_msg=variable.name, **tolerance
+        )
     assert int(optimizer.iterations.numpy()) == STEPS
 
 
@@ -136,10 +140,17 @@ ROWS, DIM = 12, 4
 IDS = [[1, 4, 1, 7], [0, 1, 2, 2], [7, 7, 3], [4, 11, 1, 11], [6, 2], [5, 1, 5]]
 EMBEDDING_CASES = {
     "defaults": {},
-    "last_occurrence_clipped_rowwise": {"use_gradient_accumulation": False, "second_moment": "rowwise",
-                                        "clip_weight_max": 0.05},
-    "per_row_decay_accumulation": {"bias_correction": "per_row", "weight_decay": 0.3, "clipvalue": 0.4,
-                                   "gradient_accumulation_steps": 2},
+    "last_occurrence_clipped_rowwise": {
+        "use_gradient_accumulation": False,
+        "second_moment": "rowwise",
+        "clip_weight_max": 0.05,
+    },
+    "per_row_decay_accumulation": {
+        "bias_correction": "per_row",
+        "weight_decay": 0.3,
+        "clipvalue": 0.4,
+        "gradient_accumulation_steps": 2,
+    },
 }
 
 
@@ -157,7 +168,9 @@ def _embedding_reference_options(options):
 def test_embedding_adam_with_unknown_gradient_shapes_matches_numpy(case, kind, mode, unknown):
     options = EMBEDDING_CASES[case]
     if kind == "dense" and not options.get("use_gradient_accumulation", True):
-        pytest.skip("a dense gradient has summed its duplicates already: the last-occurrence rule is sparse")
+        pytest.skip(
+            "a dense gradient has summed its duplicates already: the last-occurrence rule is sparse"
+        )
     strategy = _strategy(mode, options)
     rng = np.random.default_rng(1)
     initial = rng.uniform(-0.1, 0.1, (ROWS, DIM)).astype(np.float32)
@@ -165,13 +178,18 @@ def test_embedding_adam_with_unknown_gradient_shapes_matches_numpy(case, kind, m
         table = keras.Variable(initial, name="table")
         optimizer = kto.EmbeddingAdam(0.05, **options)
         optimizer.build([table])
-    reference = NumpyEmbeddingAdam(initial, learning_rate=0.05, **_embedding_reference_options(options))
+    reference = NumpyEmbeddingAdam(
+        initial, learning_rate=0.05, **_embedding_reference_options(options)
+    )
     steps = options.get("gradient_accumulation_steps")
     feed = KerasAccumulation(reference, steps).apply_sparse if steps else reference.apply_sparse
     if kind == "dense":
         signature, make_gradients = [tf.TensorSpec(UNKNOWN[unknown]((ROWS, DIM)), tf.float32)], list
     else:
-        signature = [tf.TensorSpec(UNKNOWN[unknown]((len(IDS[0]), DIM)), tf.float32), tf.TensorSpec([None], tf.int32)]
+        signature = [
+            tf.TensorSpec(UNKNOWN[unknown]((len(IDS[0]), DIM)), tf.float32),
+            tf.TensorSpec([None], tf.int32),
+        ]
 
         def make_gradients(inputs):
             values, indices = inputs
@@ -195,7 +213,9 @@ def test_embedding_adam_with_unknown_gradient_shapes_matches_numpy(case, kind, m
 # ------------------------------------------------------------------ shapes that differ at run time
 
 
-@pytest.mark.parametrize("kind", ["adafactor", "embedding_adam_dense", "embedding_adam_indexed_slices"])
+@pytest.mark.parametrize(
+    "kind", ["adafactor", "embedding_adam_dense", "embedding_adam_indexed_slices"]
+)
 def test_gradient_of_another_shape_at_run_time_raises_naming_the_variable(kind):
     variable = keras.Variable(np.ones((6, 4), np.float32), name="kernel")
     optimizer = kto.Adafactor(0.01) if kind == "adafactor" else kto.EmbeddingAdam(0.01)
@@ -203,14 +223,22 @@ def test_gradient_of_another_shape_at_run_time_raises_naming_the_variable(kind):
     if kind == "embedding_adam_indexed_slices":
         signature = [tf.TensorSpec([None, None], tf.float32), tf.TensorSpec([None], tf.int32)]
         step = tf.function(
-            lambda values, ids: optimizer.apply([tf.IndexedSlices(values, ids, tf.constant([6, 5]))], [variable]),
+            lambda values, ids: optimizer.apply(
+                [tf.IndexedSlices(values, ids, tf.constant([6, 5]))], [variable]
+            ),
             input_signature=signature,
         )
         wrong = (tf.ones((2, 5)), tf.constant([0, 3]))
     else:
-        step = tf.function(lambda g: optimizer.apply([g], [variable]), input_signature=[tf.TensorSpec([None, None])])
+        step = tf.function(
+            lambda g: optimizer.apply([g], [variable]),
+            input_signature=[tf.TensorSpec([None, None])],
+        )
         wrong = (tf.ones((6, 5)),)
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"variable \W*kernel\W* has shape .*variable has shape \(6, 4\).*at run time"):
+    with pytest.raises(
+        tf.errors.InvalidArgumentError,
+        match=r"variable \W*kernel\W* has shape .*variable has shape \(6, 4\).*at run time",
+    ):
         step(*wrong)
     # Everything the gradient reaches waits for the check: the variable and its slots are unchanged.
     np.testing.assert_array_equal(variable.numpy(), np.ones((6, 4), np.float32))

@@ -14,7 +14,9 @@ import pytest
 BACKEND = keras.backend.backend()
 if BACKEND != "torch":
     # Never import torch next to another backend (TensorFlow and torch must not share a process).
-    _REASON = f"the eager-torch blocked Adafactor step needs KERAS_BACKEND=torch; this run is {BACKEND}"
+    _REASON = (
+        f"the eager-torch blocked Adafactor step needs KERAS_BACKEND=torch; this run is {BACKEND}"
+    )
     print(f"{__name__}: skipped: {_REASON}")
     pytest.skip(_REASON, allow_module_level=True)
 
@@ -54,7 +56,9 @@ def make_state(shape, beta_1, options=None):
 
 
 def to_torch(x, dtype):
-    return torch.tensor(np.asarray(x, dtype=np.float32), dtype=TORCH_DTYPES[dtype])  # a copy: kernels write in place
+    return torch.tensor(
+        np.asarray(x, dtype=np.float32), dtype=TORCH_DTYPES[dtype]
+    )  # a copy: kernels write in place
 
 
 def to_float64(t):
@@ -67,11 +71,15 @@ def to_float64(t):
 @pytest.mark.parametrize(
     "schedule", [{}, dict(decay_offset=2, beta_2_cap=0.6)], ids=["keras_decay", "offset_and_cap"]
 )
-@pytest.mark.parametrize("multiply_by_parameter_scale", [True, False], ids=["param_scale", "no_param_scale"])
+@pytest.mark.parametrize(
+    "multiply_by_parameter_scale", [True, False], ids=["param_scale", "no_param_scale"]
+)
 @pytest.mark.parametrize("relative_step", [True, False], ids=["relative", "absolute"])
 @pytest.mark.parametrize("beta_1", [None, 0.9], ids=["no_momentum", "momentum"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_matches_numpy_reference(dtype, beta_1, relative_step, multiply_by_parameter_scale, schedule, chunk_elements):
+def test_matches_numpy_reference(
+    dtype, beta_1, relative_step, multiply_by_parameter_scale, schedule, chunk_elements
+):
     # lr 0.5 is above the relative-step cap 1/sqrt(t) from t = 5.
     reference = NumpyAdafactor(
         learning_rate=0.5,
@@ -115,12 +123,18 @@ def test_matches_numpy_reference(dtype, beta_1, relative_step, multiply_by_param
         names = ("row", "column") if len(slots) == 2 else ("v",)
         for slot, name in zip(slots, names):
             assert slot.dtype == torch.float32
-            np.testing.assert_allclose(to_float64(slot), state[name], rtol=1e-4, err_msg=f"{name} of variable {i}")
+            np.testing.assert_allclose(
+                to_float64(slot), state[name], rtol=1e-4, err_msg=f"{name} of variable {i}"
+            )
         if beta_1 is not None:
-            np.testing.assert_allclose(to_float64(momentum), state["m"], **TOLERANCES[dtype], err_msg=f"m {i}")
+            np.testing.assert_allclose(
+                to_float64(momentum), state["m"], **TOLERANCES[dtype], err_msg=f"m {i}"
+            )
     # Guard against a vacuous comparison: every variable moved.
     for i, (final, init) in enumerate(zip(expected, inits)):
-        assert not np.allclose(final.astype(np.float64), init, rtol=1e-3, atol=0), f"variable {i} never moved"
+        assert not np.allclose(final.astype(np.float64), init, rtol=1e-3, atol=0), (
+            f"variable {i} never moved"
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
@@ -176,11 +190,25 @@ def sync_counter(monkeypatch):
 
 @pytest.mark.parametrize(
     "extra",
-    [{}, dict(factored_dims="two_largest", decay_offset=1, beta_2_cap=0.9, stochastic_rounding=True)],
+    [
+        {},
+        dict(factored_dims="two_largest", decay_offset=1, beta_2_cap=0.9, stochastic_rounding=True),
+    ],
     ids=["default", "options"],
 )
 def test_no_host_device_synchronisation(sync_counter, extra):
-    shapes = [(3,), (37, 5), (2, 16, 3), (1, 7), (), (64,), (8, 8), (128, 16), (3, 4, 5), (16, 1)] * 2
+    shapes = [
+        (3,),
+        (37, 5),
+        (2, 16, 3),
+        (1, 7),
+        (),
+        (64,),
+        (8, 8),
+        (128, 16),
+        (3, 4, 5),
+        (16, 1),
+    ] * 2
     rng = np.random.default_rng(1)
     options = make_options(NumpyAdafactor(beta_1=0.9), **extra)
     # Half bf16: the low-precision path (blocks read in float32, one rounding) syncs no more.
@@ -193,7 +221,13 @@ def test_no_host_device_synchronisation(sync_counter, extra):
         step = torch.tensor(t + 1.0)
         for param, grad, (slots, momentum) in zip(params, grads, states):
             adafactor.blocked_step(
-                grad, param, slots, momentum, learning_rate=learning_rate, step=step, options=options
+                grad,
+                param,
+                slots,
+                momentum,
+                learning_rate=learning_rate,
+                step=step,
+                options=options,
             )
     assert sum(sync_counter.values()) == 0, {k: v for k, v in sync_counter.items() if v}
     assert all(bool(torch.isfinite(p).all()) for p in params)
@@ -224,20 +258,34 @@ def test_no_full_size_allocation(shape, beta_1):
 @pytest.mark.parametrize("beta_1", [None, 0.9], ids=["no_momentum", "momentum"])
 def test_blocks_round_stochastically_as_one_block(beta_1, factored_dims):
     """A variable updated in blocks gets the same result, stochastic rounding's bits included (their `offset`)."""
-    options = AdafactorOptions(beta_1=beta_1, factored_dims=factored_dims, stochastic_rounding=True, seed=3)
+    options = AdafactorOptions(
+        beta_1=beta_1, factored_dims=factored_dims, stochastic_rounding=True, seed=3
+    )
     rng = np.random.default_rng(4)
     results = []
     for chunk in (blocks.CHUNK_ELEMENTS, 50, 7):
         params = []
         for shape in [(40, 30), (9, 20, 6), (300,)]:
-            param = to_torch(rng.normal(size=shape) if chunk == blocks.CHUNK_ELEMENTS else results[0][len(params)][1], "bfloat16")
+            param = to_torch(
+                rng.normal(size=shape)
+                if chunk == blocks.CHUNK_ELEMENTS
+                else results[0][len(params)][1],
+                "bfloat16",
+            )
             init = param.clone()
             grad = to_torch(np.random.default_rng(5).normal(size=shape), "bfloat16")
             slots, momentum = make_state(shape, beta_1, options)
             for t in range(3):
                 adafactor.blocked_step(
-                    grad, param, slots, momentum, learning_rate=torch.tensor(0.01), step=torch.tensor(t + 1),
-                    options=options, variable_index=len(params), chunk_elements=chunk,
+                    grad,
+                    param,
+                    slots,
+                    momentum,
+                    learning_rate=torch.tensor(0.01),
+                    step=torch.tensor(t + 1),
+                    options=options,
+                    variable_index=len(params),
+                    chunk_elements=chunk,
                 )
             params.append((param, to_float64(init)))
         results.append(params)

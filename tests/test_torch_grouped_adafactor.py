@@ -63,8 +63,10 @@ def _optimizer(variables, platform="gpu", **options):
 def _data(shapes, steps, seed=0):
     rng = np.random.default_rng(seed)
     inits = [rng.normal(size=s).astype(np.float32) for s in shapes]
-    grads = [[(10.0 ** rng.uniform(-1.5, 1.5) * rng.normal(size=s)).astype(np.float32) for s in shapes]
-             for _ in range(steps)]
+    grads = [
+        [(10.0 ** rng.uniform(-1.5, 1.5) * rng.normal(size=s)).astype(np.float32) for s in shapes]
+        for _ in range(steps)
+    ]
     return inits, grads
 
 
@@ -76,7 +78,9 @@ def _numpy(x):
 @pytest.mark.parametrize("case", list(CASES))
 def test_grouped_step_matches_numpy(case, mixed_dtypes, monkeypatch):
     options = CASES[case]
-    dtypes = ["float32", "bfloat16"] * (len(SHAPES) // 2) if mixed_dtypes else ["float32"] * len(SHAPES)
+    dtypes = (
+        ["float32", "bfloat16"] * (len(SHAPES) // 2) if mixed_dtypes else ["float32"] * len(SHAPES)
+    )
     inits, grads = _data(SHAPES, STEPS)
     variables = [keras.Variable(x.astype(DTYPES[d]), dtype=d) for x, d in zip(inits, dtypes)]
     optimizer = _optimizer(variables, **options)
@@ -86,20 +90,37 @@ def test_grouped_step_matches_numpy(case, mixed_dtypes, monkeypatch):
     for t, step_grads in enumerate(grads):
         step_grads = [g.astype(DTYPES[d]) for g, d in zip(step_grads, dtypes)]
         expected = reference.step(expected, step_grads)
-        optimizer.apply([torch.tensor(g.astype(np.float32)).to(v.value.dtype) for g, v in zip(step_grads, variables)],
-                        variables)
+        optimizer.apply(
+            [
+                torch.tensor(g.astype(np.float32)).to(v.value.dtype)
+                for g, v in zip(step_grads, variables)
+            ],
+            variables,
+        )
         for i, (variable, want, dtype) in enumerate(zip(variables, expected, dtypes)):
-            tolerance = dict(rtol=1e-2, atol=1e-2) if dtype == "bfloat16" else dict(rtol=1e-4, atol=1e-6)
-            np.testing.assert_allclose(_numpy(variable), want.astype(np.float64), **tolerance,
-                                       err_msg=f"step {t + 1}, variable {i} {SHAPES[i]} {dtype}")
+            tolerance = (
+                dict(rtol=1e-2, atol=1e-2) if dtype == "bfloat16" else dict(rtol=1e-4, atol=1e-6)
+            )
+            np.testing.assert_allclose(
+                _numpy(variable),
+                want.astype(np.float64),
+                **tolerance,
+                err_msg=f"step {t + 1}, variable {i} {SHAPES[i]} {dtype}",
+            )
     for i, (variable, state) in enumerate(zip(variables, reference.state)):
         slots = optimizer._state_of(variable).slots
         for slot, name in zip(slots, ("row", "column") if len(slots) == 2 else ("v",)):
             assert keras.backend.standardize_dtype(slot.dtype) == "float32"
-            np.testing.assert_allclose(_numpy(slot), state[name], rtol=1e-4 if dtypes[i] == "float32" else 5e-2,
-                                       err_msg=f"{name} of variable {i}")
+            np.testing.assert_allclose(
+                _numpy(slot),
+                state[name],
+                rtol=1e-4 if dtypes[i] == "float32" else 5e-2,
+                err_msg=f"{name} of variable {i}",
+            )
     for i, (variable, init) in enumerate(zip(variables, inits)):
-        assert not np.allclose(_numpy(variable), init, rtol=1e-3, atol=0), f"variable {i} never moved"
+        assert not np.allclose(_numpy(variable), init, rtol=1e-3, atol=0), (
+            f"variable {i} never moved"
+        )
 
 
 def test_two_largest_factors_the_two_largest_axes(monkeypatch):
@@ -115,7 +136,9 @@ def test_two_largest_factors_the_two_largest_axes(monkeypatch):
         optimizer.apply([torch.tensor(g) for g in step_grads], variables)
     for variable, want in zip(variables, expected):
         np.testing.assert_allclose(_numpy(variable), want.T, rtol=1e-4, atol=1e-6)
-    assert tuple(optimizer._state_of(variables[0]).slots[0].shape) == (5,)  # the row statistics: without axis 0
+    assert tuple(optimizer._state_of(variables[0]).slots[0].shape) == (
+        5,
+    )  # the row statistics: without axis 0
 
 
 @pytest.mark.parametrize("platform", ["gpu", "cpu"])
@@ -124,13 +147,17 @@ def test_float64_variables_keep_the_per_variable_step(platform):
     the per-variable step (float32 arithmetic and state, as for every dtype) and the numpy reference's numbers."""
     shapes = [(6, 4), (6, 4), (5,)]
     inits, grads = _data(shapes, 3, seed=8)
-    variables = [keras.Variable(x.astype(np.float64), dtype="float64") for x in inits[:2]] + [keras.Variable(inits[2])]
+    variables = [keras.Variable(x.astype(np.float64), dtype="float64") for x in inits[:2]] + [
+        keras.Variable(inits[2])
+    ]
     optimizer = _optimizer(variables, platform=platform)
     reference = NumpyAdafactor(learning_rate=0.5)
     expected = [x.astype(np.float64) for x in inits]
     for step_grads in grads:
         expected = reference.step(expected, [g.astype(np.float64) for g in step_grads])
-        optimizer.apply([torch.tensor(g).to(v.value.dtype) for g, v in zip(step_grads, variables)], variables)
+        optimizer.apply(
+            [torch.tensor(g).to(v.value.dtype) for g, v in zip(step_grads, variables)], variables
+        )
     for variable, want in zip(variables[:2], expected[:2]):
         assert variable.value.dtype == torch.float64
         np.testing.assert_allclose(_numpy_exact(variable), want, rtol=1e-5, atol=1e-6)
@@ -162,7 +189,9 @@ def test_skip_nonfinite_updates_skips_a_grouped_step_whole(monkeypatch):
     expected = reference.step(expected, grads[2])
     optimizer.apply([torch.tensor(g) for g in grads[2]], variables)
     for i, (variable, want) in enumerate(zip(variables, expected)):
-        np.testing.assert_allclose(_numpy(variable), want, rtol=1e-4, atol=1e-6, err_msg=f"variable {i}")
+        np.testing.assert_allclose(
+            _numpy(variable), want, rtol=1e-4, atol=1e-6, err_msg=f"variable {i}"
+        )
 
 
 def test_stochastic_rounding_keys_each_variable_of_a_group(monkeypatch):
@@ -177,7 +206,9 @@ def test_stochastic_rounding_keys_each_variable_of_a_group(monkeypatch):
     _forbid_per_variable_steps(monkeypatch)
     optimizer.apply([torch.tensor(grad).to(torch.bfloat16)] * 2, variables)
     reference = NumpyAdafactor(learning_rate=0.01)
-    (exact,) = reference.step([low.astype(np.float64)], [grad.astype(ml_dtypes.bfloat16).astype(np.float64)])
+    (exact,) = reference.step(
+        [low.astype(np.float64)], [grad.astype(ml_dtypes.bfloat16).astype(np.float64)]
+    )
     results = [_numpy(v) for v in variables]
     for index, result in enumerate(results):
         want = reference_round(exact.astype(np.float32), "bfloat16", 7, 1, index).astype(np.float64)
@@ -218,8 +249,19 @@ def test_large_cpu_variables_take_the_blocked_step_small_ones_the_groups(monkeyp
     calls = []
     blocked_step = torch_kernel.blocked_step
     grouped_step = torch_kernel.grouped_step
-    monkeypatch.setattr(torch_kernel, "blocked_step", lambda grad, param, *a, **k: (calls.append(("kernel", param.numel())), blocked_step(grad, param, *a, **k)))
-    monkeypatch.setattr(torch_kernel, "grouped_step", lambda members, **k: (calls.append(("group", len(members))), grouped_step(members, **k)))
+    monkeypatch.setattr(
+        torch_kernel,
+        "blocked_step",
+        lambda grad, param, *a, **k: (
+            calls.append(("kernel", param.numel())),
+            blocked_step(grad, param, *a, **k),
+        ),
+    )
+    monkeypatch.setattr(
+        torch_kernel,
+        "grouped_step",
+        lambda members, **k: (calls.append(("group", len(members))), grouped_step(members, **k)),
+    )
     big = torch_backend.CPU_GROUPED_ELEMENTS * 2
     shapes = [(big // 64, 64), (64,), (8, 8)]
     variables = [keras.Variable(np.ones(s, np.float32)) for s in shapes]
@@ -232,7 +274,10 @@ def test_chunks_of_a_group_give_the_same_numbers(monkeypatch):
     shapes = [(12, 10)] * 7
     inits, grads = _data(shapes, 3, seed=9)
     results = []
-    for chunk_elements in (torch_kernel.GROUP_ELEMENTS, 250):  # 7 variables in one stack; in 4 stacks of 2, 2, 2, 1
+    for chunk_elements in (
+        torch_kernel.GROUP_ELEMENTS,
+        250,
+    ):  # 7 variables in one stack; in 4 stacks of 2, 2, 2, 1
         monkeypatch.setattr(torch_kernel, "GROUP_ELEMENTS", chunk_elements)
         variables = [keras.Variable(x) for x in inits]
         optimizer = _optimizer(variables, beta_1=0.9)
@@ -240,7 +285,9 @@ def test_chunks_of_a_group_give_the_same_numbers(monkeypatch):
             optimizer.apply([torch.tensor(g) for g in step_grads], variables)
         results.append([_numpy(v) for v in variables])
         _, plan = next(iter(torch_backend._plans[optimizer].values()))  # (alone, chunks)
-        assert [len(positions) for positions, _, _ in plan] == ([7] if chunk_elements > 1000 else [2, 2, 2, 1])
+        assert [len(positions) for positions, _, _ in plan] == (
+            [7] if chunk_elements > 1000 else [2, 2, 2, 1]
+        )
     for one, chunked in zip(*results):
         np.testing.assert_array_equal(one, chunked)
 
@@ -250,8 +297,12 @@ def test_no_host_device_synchronisation(monkeypatch):
     counts = dict.fromkeys(methods, 0)
     inits, grads = _data(SHAPES, 2)
     variables = [keras.Variable(x) for x in inits]
-    optimizer = _optimizer(variables, beta_1=0.9, stochastic_rounding=True, decay_offset=1, beta_2_cap=0.9)
-    optimizer.apply([torch.tensor(g) for g in grads[0]], variables)  # planned (its index tensors made) once
+    optimizer = _optimizer(
+        variables, beta_1=0.9, stochastic_rounding=True, decay_offset=1, beta_2_cap=0.9
+    )
+    optimizer.apply(
+        [torch.tensor(g) for g in grads[0]], variables
+    )  # planned (its index tensors made) once
 
     def counting(name, method):
         def wrapper(*args, **kwargs):
@@ -284,7 +335,9 @@ def test_compiles_whole_with_the_eager_numbers(platform):
 
         if compiled:
             explained = torch._dynamo.explain(step)([torch.tensor(g) for g in grads[0]])
-            assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+            assert (explained.graph_count, explained.graph_break_count) == (1, 0), (
+                explained.break_reasons
+            )
             torch._dynamo.reset()
             variables = [keras.Variable(x) for x in inits]
             optimizer = _optimizer(variables, platform=platform, beta_1=0.9, learning_rate=0.05)

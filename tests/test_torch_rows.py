@@ -24,15 +24,25 @@ import torch  # noqa: E402
 ROWS, DIM = 50, 6
 OPTIONS = {
     "default": {},
-    "clips_and_decay": dict(clipvalue=(-0.05, 0.08), clip_weight_min=-0.12, clip_weight_max=0.12,
-                            weight_decay_factor=0.2, multiply_weight_decay_factor_by_learning_rate=True),
+    "clips_and_decay": dict(
+        clipvalue=(-0.05, 0.08),
+        clip_weight_min=-0.12,
+        clip_weight_max=0.12,
+        weight_decay_factor=0.2,
+        multiply_weight_decay_factor_by_learning_rate=True,
+    ),
     "outside_sqrt_plain_decay": dict(sum_inside_sqrt=False, weight_decay_factor=0.01),
     "rowwise_per_row": dict(second_moment="rowwise", bias_correction="per_row"),
 }
 
 
 def _sparse(ids, values):
-    return torch.sparse_coo_tensor(torch.tensor(np.asarray(ids))[None], torch.tensor(values), size=(ROWS, DIM), check_invariants=True)
+    return torch.sparse_coo_tensor(
+        torch.tensor(np.asarray(ids))[None],
+        torch.tensor(values),
+        size=(ROWS, DIM),
+        check_invariants=True,
+    )
 
 
 @pytest.mark.parametrize("kind", ["sparse", "dense"])
@@ -47,7 +57,9 @@ def test_touched_rows_match_numpy(name, kind):
     optimizer.build([variable])
 
     for step in range(4):
-        ids = rng.integers(0, ROWS // 2 + 5 * step, 12)  # duplicates; rows touched again, and new ones
+        ids = rng.integers(
+            0, ROWS // 2 + 5 * step, 12
+        )  # duplicates; rows touched again, and new ones
         values = rng.normal(0, 0.5, (12, DIM)).astype(np.float32)
         if kind == "sparse":
             optimizer.apply([_sparse(ids, values)], [variable])
@@ -57,10 +69,16 @@ def test_touched_rows_match_numpy(name, kind):
             np.add.at(dense, ids, values)
             optimizer.apply([torch.tensor(dense)], [variable])
             reference.apply_dense(dense)
-    np.testing.assert_allclose(keras.ops.convert_to_numpy(variable), reference.weights, rtol=2e-6, atol=2e-7)
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(variable), reference.weights, rtol=2e-6, atol=2e-7
+    )
     momenta, velocities = optimizer._state_of(variable).slots[:2]
-    np.testing.assert_allclose(keras.ops.convert_to_numpy(momenta), reference.momenta, rtol=1e-5, atol=1e-8)
-    np.testing.assert_allclose(keras.ops.convert_to_numpy(velocities), reference.velocities, rtol=1e-5, atol=1e-12)
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(momenta), reference.momenta, rtol=1e-5, atol=1e-8
+    )
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(velocities), reference.velocities, rtol=1e-5, atol=1e-12
+    )
     # Rows never touched keep their initial values exactly (not a vacuous comparison: others moved).
     untouched = np.ones(ROWS, bool)
     untouched[: ROWS // 2 + 15] = False
@@ -70,7 +88,9 @@ def test_touched_rows_match_numpy(name, kind):
 
 COMPILED_OPTIONS = {
     "clips_and_decay": OPTIONS["clips_and_decay"],
-    "rowwise_per_row_ema": dict(second_moment="rowwise", bias_correction="per_row", use_ema=True, ema_momentum=0.9),
+    "rowwise_per_row_ema": dict(
+        second_moment="rowwise", bias_correction="per_row", use_ema=True, ema_momentum=0.9
+    ),
 }
 
 
@@ -85,7 +105,9 @@ def test_compiled_dense_step_is_one_graph_with_the_numpy_numbers(name):
     options = COMPILED_OPTIONS[name]
     rng = np.random.default_rng(2)
     table = rng.uniform(-0.1, 0.1, (ROWS, DIM)).astype(np.float32)
-    reference = NumpyEmbeddingAdam(table, learning_rate=0.05, **{k: v for k, v in options.items() if "ema" not in k})
+    reference = NumpyEmbeddingAdam(
+        table, learning_rate=0.05, **{k: v for k, v in options.items() if "ema" not in k}
+    )
     gradients = []
     for step in range(4):
         ids = rng.integers(0, ROWS // 2 + 5 * step, 12)
@@ -113,8 +135,12 @@ def test_compiled_dense_step_is_one_graph_with_the_numpy_numbers(name):
     weights = keras.ops.convert_to_numpy(variable)
     np.testing.assert_allclose(weights, reference.weights, rtol=2e-6, atol=2e-7)
     momenta, velocities = optimizer._state_of(variable).slots[:2]
-    np.testing.assert_allclose(keras.ops.convert_to_numpy(momenta), reference.momenta, rtol=1e-5, atol=1e-8)
-    np.testing.assert_allclose(keras.ops.convert_to_numpy(velocities), reference.velocities, rtol=1e-5, atol=1e-12)
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(momenta), reference.momenta, rtol=1e-5, atol=1e-8
+    )
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(velocities), reference.velocities, rtol=1e-5, atol=1e-12
+    )
     untouched = np.ones(ROWS, bool)
     untouched[: ROWS // 2 + 15] = False
     untouched[ROWS - 1] = False

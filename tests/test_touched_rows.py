@@ -49,19 +49,24 @@ def step(optimizer, table, gradient, path):
     elif path in ("tf.function", "jit_compile"):
         import tensorflow as tf
 
-        tf.function(lambda g: optimizer.apply([g], [table]), jit_compile=path == "jit_compile")(gradient)
+        tf.function(lambda g: optimizer.apply([g], [table]), jit_compile=path == "jit_compile")(
+            gradient
+        )
     elif path == "jax.jit":
         from bench_common import jit_stateless_apply
 
-        values, (new_table,) = jit_stateless_apply(optimizer)([v.value for v in optimizer.variables], [gradient],
-                                                              [table.value])
+        values, (new_table,) = jit_stateless_apply(optimizer)(
+            [v.value for v in optimizer.variables], [gradient], [table.value]
+        )
         for variable, value in zip(optimizer.variables, values):
             variable.assign(value)
         table.assign(new_table)
     else:
         import torch
 
-        torch.compile(lambda g: optimizer.apply([g], [table]), backend="eager", fullgraph=False)(gradient)
+        torch.compile(lambda g: optimizer.apply([g], [table]), backend="eager", fullgraph=False)(
+            gradient
+        )
 
 
 @pytest.mark.parametrize("accumulation", [None, 2], ids=["plain", "accumulated"])
@@ -69,7 +74,9 @@ def step(optimizer, table, gradient, path):
 def test_a_row_is_touched_when_any_entry_is_non_zero_or_nan(path, accumulation):
     init = np.arange(len(EDGE_ROWS) * DIM, dtype=np.float32).reshape(-1, DIM) / 7.0 + 1.0
     table = keras.Variable(init, name="table")
-    optimizer = kto.EmbeddingAdam(0.01, bias_correction="per_row", gradient_accumulation_steps=accumulation)
+    optimizer = kto.EmbeddingAdam(
+        0.01, bias_correction="per_row", gradient_accumulation_steps=accumulation
+    )
     optimizer.build([table])
     gradient = keras.ops.convert_to_tensor(GRADIENT)
     for _ in range(accumulation or 1):

@@ -50,7 +50,9 @@ ROW_OPTIONS = {
     "clipvalue_tuple": dict(clipvalue=(None, 0.2)),
     "weight_clip": dict(clip_weight_min=-0.6, clip_weight_max=0.55),
     "decay": dict(weight_decay_factor=0.1),
-    "decay_times_lr": dict(weight_decay_factor=3.0, multiply_weight_decay_factor_by_learning_rate=True),
+    "decay_times_lr": dict(
+        weight_decay_factor=3.0, multiply_weight_decay_factor_by_learning_rate=True
+    ),
     "keras_weight_decay": dict(weight_decay=3.0),
     "everything": dict(
         sum_inside_sqrt=False,
@@ -70,7 +72,9 @@ def engine_options(kwargs):
     if clip is not None and not isinstance(clip, tuple):
         clip = (-clip, clip)
     decay = kwargs.get("weight_decay_factor", kwargs.get("weight_decay"))
-    multiply = "weight_decay" in kwargs or bool(kwargs.get("multiply_weight_decay_factor_by_learning_rate"))
+    multiply = "weight_decay" in kwargs or bool(
+        kwargs.get("multiply_weight_decay_factor_by_learning_rate")
+    )
     return ref.EngineOptions(
         beta_1=kwargs.get("beta_1", 0.9),
         beta_2=kwargs.get("beta_2", 0.999),
@@ -94,7 +98,11 @@ def random_rows(seed, rows=3, dim=8):
 
 @pytest.mark.parametrize(
     "make_optimizer",
-    [kto.Adafactor, lambda: keras.optimizers.Adam(), lambda: keras.optimizers.LossScaleOptimizer(kto.EmbeddingAdam())],
+    [
+        kto.Adafactor,
+        lambda: keras.optimizers.Adam(),
+        lambda: keras.optimizers.LossScaleOptimizer(kto.EmbeddingAdam()),
+    ],
     ids=["Adafactor", "keras_Adam", "LossScaleOptimizer"],
 )
 def test_only_embedding_adam_exports(make_optimizer):
@@ -178,13 +186,21 @@ def test_tf_every_option_lands_in_the_proto():
 
     parameters = optimization_parameters(tpu_optimizer)
     np.testing.assert_allclose(
-        [parameters.adam.beta1, parameters.adam.beta2, parameters.adam.epsilon], [0.8, 0.99, 1e-5], rtol=1e-7
+        [parameters.adam.beta1, parameters.adam.beta2, parameters.adam.epsilon],
+        [0.8, 0.99, 1e-5],
+        rtol=1e-7,
     )
     assert parameters.adam.use_non_lazy_adam is True
     assert parameters.adam.use_sum_inside_sqrt is False
     assert parameters.gradient_accumulation_status == pb.GradientAccumulationStatus.ENABLED
-    assert (parameters.clipping_limits.lower.value, parameters.clipping_limits.upper.value) == (-2.0, 3.0)
-    assert (parameters.gradient_clipping_limits.lower.value, parameters.gradient_clipping_limits.upper.value) == (
+    assert (parameters.clipping_limits.lower.value, parameters.clipping_limits.upper.value) == (
+        -2.0,
+        3.0,
+    )
+    assert (
+        parameters.gradient_clipping_limits.lower.value,
+        parameters.gradient_clipping_limits.upper.value,
+    ) == (
         -0.5,
         0.75,
     )
@@ -203,7 +219,9 @@ def test_tf_default_options_in_the_proto():
     assert tpu_optimizer.multiply_weight_decay_factor_by_learning_rate is None
     parameters = optimization_parameters(tpu_optimizer)
     np.testing.assert_allclose(
-        [parameters.adam.beta1, parameters.adam.beta2, parameters.adam.epsilon], [0.9, 0.999, 1e-7], rtol=1e-7
+        [parameters.adam.beta1, parameters.adam.beta2, parameters.adam.epsilon],
+        [0.9, 0.999, 1e-7],
+        rtol=1e-7,
     )
     assert parameters.adam.use_non_lazy_adam is False
     assert parameters.adam.use_sum_inside_sqrt is True
@@ -217,10 +235,15 @@ def test_tf_default_options_in_the_proto():
 
 def test_tf_keras_weight_decay_is_decay_times_learning_rate():
     require_backend("tensorflow")
-    parameters = optimization_parameters(to_tpu_embedding(kto.EmbeddingAdam(weight_decay=0.05, clipvalue=0.1)))
+    parameters = optimization_parameters(
+        to_tpu_embedding(kto.EmbeddingAdam(weight_decay=0.05, clipvalue=0.1))
+    )
     assert parameters.weight_decay_factor == pytest.approx(0.05)
     assert parameters.multiply_weight_decay_factor_by_learning_rate is True
-    assert (parameters.gradient_clipping_limits.lower.value, parameters.gradient_clipping_limits.upper.value) == (
+    assert (
+        parameters.gradient_clipping_limits.lower.value,
+        parameters.gradient_clipping_limits.upper.value,
+    ) == (
         pytest.approx(-0.1),
         pytest.approx(0.1),
     )
@@ -237,7 +260,9 @@ def test_tf_learning_rate_is_bias_corrected_and_follows_the_step(kind):
     in_graph = tf.function(learning_rate)  # the engine calls it inside the training step
     for iterations in range(5):
         optimizer.iterations.assign(iterations)
-        expected = ref.bias_corrected_learning_rate(numpy_rate(iterations), iterations + 1, 0.8, 0.99)
+        expected = ref.bias_corrected_learning_rate(
+            numpy_rate(iterations), iterations + 1, 0.8, 0.99
+        )
         np.testing.assert_allclose(float(learning_rate()), expected, rtol=1e-6)
         np.testing.assert_allclose(float(in_graph()), expected, rtol=1e-6)
 
@@ -253,14 +278,23 @@ def test_tf_engine_fed_the_export_matches_embedding_adam():
     options = ref.EngineOptions.from_proto(optimization_parameters(tpu_optimizer))
     table = keras.Variable(random_rows(0, rows=6), name="table")
     optimizer.build([table])
-    weight, momenta, velocities = np.array(table.numpy(), np.float64), np.zeros((6, 8)), np.zeros((6, 8))
+    weight, momenta, velocities = (
+        np.array(table.numpy(), np.float64),
+        np.zeros((6, 8)),
+        np.zeros((6, 8)),
+    )
     rows = np.array([1, 4])
     for step in range(3):
         fed_rate = float(tpu_optimizer.learning_rate())  # read before the step, as the engine does
         gradient = random_rows(10 + step, rows=2)
-        updated = ref.engine_row_update(gradient, weight[rows], momenta[rows], velocities[rows], fed_rate, options)
+        updated = ref.engine_row_update(
+            gradient, weight[rows], momenta[rows], velocities[rows], fed_rate, options
+        )
         weight[rows], momenta[rows], velocities[rows] = updated
-        optimizer.apply([tf.IndexedSlices(tf.constant(gradient), tf.constant(rows), tf.constant([6, 8]))], [table])
+        optimizer.apply(
+            [tf.IndexedSlices(tf.constant(gradient), tf.constant(rows), tf.constant([6, 8]))],
+            [table],
+        )
     np.testing.assert_allclose(table.numpy(), weight, rtol=1e-5, atol=1e-6)
 
 
@@ -344,18 +378,26 @@ def test_jax_row_computation_matches_numpy(name):
     spec = to_tpu_embedding(kto.EmbeddingAdam(exponential_decay(), **kwargs))
     closed_jaxpr = trace_like_jax_tpu_embedding(spec, dim=8)
     options = engine_options(kwargs)
-    weight, momenta, velocities = random_rows(0), np.zeros((3, 8), np.float32), np.zeros((3, 8), np.float32)
+    weight, momenta, velocities = (
+        random_rows(0),
+        np.zeros((3, 8), np.float32),
+        np.zeros((3, 8), np.float32),
+    )
     expected = (weight.astype(np.float64), momenta, velocities)
     for step in range(3):
         grad = random_rows(step + 1)
         (learning_rate,) = spec.get_hyperparameters(step)
         np.testing.assert_allclose(
             float(learning_rate),
-            ref.bias_corrected_learning_rate(0.01 * 0.5 ** (step / 2), step + 1, options.beta_1, options.beta_2),
+            ref.bias_corrected_learning_rate(
+                0.01 * 0.5 ** (step / 2), step + 1, options.beta_1, options.beta_2
+            ),
             rtol=2e-5,  # float32 1 - 0.999^t loses about 1e-5 relative
         )
         expected = ref.engine_row_update(grad, *expected, float(learning_rate), options)
-        weight, momenta, velocities = run_traced(closed_jaxpr, grad, weight, momenta, velocities, learning_rate)
+        weight, momenta, velocities = run_traced(
+            closed_jaxpr, grad, weight, momenta, velocities, learning_rate
+        )
         for actual, wanted in zip((weight, momenta, velocities), expected):
             np.testing.assert_allclose(actual, wanted, rtol=2e-5, atol=1e-6)
 
@@ -403,7 +445,9 @@ def test_jax_learning_rate_follows_the_keras_schedule(kind):
         # ...and it is the rate EmbeddingAdam itself uses at that step.
         optimizer.iterations.assign(step)
         np.testing.assert_allclose(
-            float(spec.get_learning_rate(step)), float(optimizer._bias_corrected_learning_rate()), rtol=1e-6
+            float(spec.get_learning_rate(step)),
+            float(optimizer._bias_corrected_learning_rate()),
+            rtol=1e-6,
         )
 
 
@@ -429,7 +473,9 @@ def test_jax_spec_goes_through_jax_tpu_embeddings_gradient_step():
     import jax.numpy as jnp
     from jax_tpu_embedding.sparsecore.lib.nn import embedding, embedding_spec
 
-    spec = to_tpu_embedding(kto.EmbeddingAdam(exponential_decay(), clipvalue=0.5, weight_decay=0.01))
+    spec = to_tpu_embedding(
+        kto.EmbeddingAdam(exponential_decay(), clipvalue=0.5, weight_decay=0.01)
+    )
     table = embedding_spec.TableSpec(
         vocabulary_size=64,
         embedding_dim=8,
@@ -439,14 +485,20 @@ def test_jax_spec_goes_through_jax_tpu_embeddings_gradient_step():
         name="items",
         suggested_coo_buffer_size_per_device=128,
     )
-    feature = embedding_spec.FeatureSpec(name="f", table_spec=table, input_shape=[16, 1], output_shape=[16, 8])
+    feature = embedding_spec.FeatureSpec(
+        name="f", table_spec=table, input_shape=[16, 1], output_shape=[16, 8]
+    )
     features = {"f": feature}
-    embedding.prepare_feature_specs_for_training(features, global_device_count=1, num_sc_per_device=4)
+    embedding.prepare_feature_specs_for_training(
+        features, global_device_count=1, num_sc_per_device=4
+    )
     inputs = embedding.eval_preprocess_sparse_dense_matmul_input_shape(
         features, local_device_count=1, global_device_count=1, num_sc_per_device=4
     )
     stacked = embedding.get_stacked_table_specs(features)["items"]
-    rows = jax.ShapeDtypeStruct((stacked.stack_vocab_size, stacked.stack_embedding_dim), jnp.float32)
+    rows = jax.ShapeDtypeStruct(
+        (stacked.stack_vocab_size, stacked.stack_embedding_dim), jnp.float32
+    )
     variables = {"items": embedding.EmbeddingVariables(table=rows, slot=(rows, rows))}
 
     def gradient_step(activation_gradients, preprocessed_inputs, variables, step):

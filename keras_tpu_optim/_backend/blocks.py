@@ -61,7 +61,9 @@ class Blocked(adafactor_math.Evaluation):
     the previous block's (a backend's ordering; none by default).
     """
 
-    def __init__(self, shape, inner=adafactor_math.NEUTRAL, after=None, chunk_elements: int = CHUNK_ELEMENTS):
+    def __init__(
+        self, shape, inner=adafactor_math.NEUTRAL, after=None, chunk_elements: int = CHUNK_ELEMENTS
+    ):
         self.rows = shape[0] if shape else 1
         self.spans = spans(shape, chunk_elements)
         self.inner = inner
@@ -91,7 +93,9 @@ class Blocked(adafactor_math.Evaluation):
         return self._blocks(lambda block: self.inner.square_sums(block, axes), axes, x)
 
     def weighted_square_sum(self, x, weights, axis):
-        (total,) = self._blocks(lambda block, w: (self.inner.weighted_square_sum(block, w, axis),), (axis,), x, weights)
+        (total,) = self._blocks(
+            lambda block, w: (self.inner.weighted_square_sum(block, w, axis),), (axis,), x, weights
+        )
         return total
 
     def sum(self, x, axis):

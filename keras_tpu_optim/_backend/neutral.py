@@ -56,14 +56,27 @@ def adafactor_step(optimizer, gradient, variable, learning_rate, evaluation=adaf
     step = optimizer.iterations + 1
     options = optimizer._options
     delta, new_slots, new_momentum = adafactor_results(
-        gradient, variable, tuple(s.value for s in state.slots),
+        gradient,
+        variable,
+        tuple(s.value for s in state.slots),
         None if state.momentum is None else state.momentum.value,
-        learning_rate=learning_rate, step=step, options=options, evaluation=evaluation,
+        learning_rate=learning_rate,
+        step=step,
+        options=options,
+        evaluation=evaluation,
     )
     assign_update(
-        variable, delta, state.slots, new_slots, state.momentum, new_momentum,
-        assign=optimizer.assign, assign_sub=optimizer.assign_sub,
-        round_to=variable_rounding(options, step, _private.variable_index(optimizer, variable), variable.shape),
+        variable,
+        delta,
+        state.slots,
+        new_slots,
+        state.momentum,
+        new_momentum,
+        assign=optimizer.assign,
+        assign_sub=optimizer.assign_sub,
+        round_to=variable_rounding(
+            options, step, _private.variable_index(optimizer, variable), variable.shape
+        ),
     )
 
 
@@ -72,7 +85,9 @@ def adafactor_steps(optimizer, grads, variables, learning_rate, keras_steps):
     keras_steps(grads, variables, learning_rate)
 
 
-def adafactor_results(gradient, variable, slots, momentum, *, learning_rate, step, options, evaluation):
+def adafactor_results(
+    gradient, variable, slots, momentum, *, learning_rate, step, options, evaluation
+):
     """`adafactor_math.adafactor_update` on a step's tensors (the slots and momentum already read): float32
     inputs, the factored axes of the variable's shape. Returns `(delta, new_slots, new_momentum)`."""
     return adafactor_math.adafactor_update(
@@ -100,13 +115,26 @@ def variable_rounding(options, step, variable_index, shape, offset=0):
     if not options.stochastic_rounding:
         return ops.cast
     return functools.partial(
-        stochastic_rounding.stochastic_round, seed=options.seed, step=step, variable_index=variable_index,
-        shape=None if shape is None else tuple(shape), offset=offset,
+        stochastic_rounding.stochastic_round,
+        seed=options.seed,
+        step=step,
+        variable_index=variable_index,
+        shape=None if shape is None else tuple(shape),
+        offset=offset,
     )
 
 
 def assign_update(
-    variable, delta, slots, new_slots, momentum, new_momentum, *, assign, assign_sub, round_to=ops.cast
+    variable,
+    delta,
+    slots,
+    new_slots,
+    momentum,
+    new_momentum,
+    *,
+    assign,
+    assign_sub,
+    round_to=ops.cast,
 ):
     """Write one Adafactor step's results: the statistics, the momentum, and `variable - delta`.
 
@@ -172,11 +200,18 @@ class RowUpdate:
 
     def __call__(self, grad, weight, *slots):
         return update_rows_in_float32(
-            grad, weight, *slots, learning_rate=self.learning_rate, options=self.options, ema_step=self.ema_step
+            grad,
+            weight,
+            *slots,
+            learning_rate=self.learning_rate,
+            options=self.options,
+            ema_step=self.ema_step,
         )
 
 
-def update_rows_in_float32(grad, weight, momenta, velocities, *extra_slots, learning_rate, options, ema_step=None):
+def update_rows_in_float32(
+    grad, weight, momenta, velocities, *extra_slots, learning_rate, options, ema_step=None
+):
     """The row update on rows of any dtype: computed in float32, cast back.
 
     The slot rows are `options.slot_names`' (`momenta`, `velocities`, then
@@ -282,7 +317,9 @@ def accumulated_apply(optimizer, grads, variables, *, rows):
         # Static shapes: at the update step the window's rows are listed in the smaller size when they
         # fit, else in the larger. One three-way switch: a nested `cond` makes XLA copy the state.
         def fits():
-            return ops.all(ops.stack([rows.window_count(window, number) <= size for window, size in bounded]))
+            return ops.all(
+                ops.stack([rows.window_count(window, number) <= size for window, size in bounded])
+            )
 
         small = ops.cond(is_update_step, fits, lambda: ops.convert_to_tensor(True))
         branch = ops.where(is_update_step, ops.where(small, 1, 2), 0)

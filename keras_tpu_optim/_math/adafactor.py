@@ -58,17 +58,23 @@ class AdafactorOptions:
         object.__setattr__(
             self,
             "min_dim_size_to_factor",
-            _checks.check_int("min_dim_size_to_factor", self.min_dim_size_to_factor, low=1, allow_none=True),
+            _checks.check_int(
+                "min_dim_size_to_factor", self.min_dim_size_to_factor, low=1, allow_none=True
+            ),
         )
         _checks.check_bool("multiply_by_parameter_scale", self.multiply_by_parameter_scale)
         _checks.check_choice("factored_dims", self.factored_dims, FACTORED_DIMS)
-        object.__setattr__(self, "decay_offset", _checks.check_int("decay_offset", self.decay_offset, low=0))
+        object.__setattr__(
+            self, "decay_offset", _checks.check_int("decay_offset", self.decay_offset, low=0)
+        )
         _checks.check_number("beta_2_cap", self.beta_2_cap, low=0, high=1, allow_none=True)
         _checks.check_choice("momentum_dtype", self.momentum_dtype, MOMENTUM_DTYPES)
         _checks.check_bool("stochastic_rounding", self.stochastic_rounding)
         seed = _checks.check_int("seed", self.seed, low=0)
         if seed >= stochastic_rounding.SEED_LIMIT:
-            raise ValueError(f"Argument `seed` must be an int in [0, 2^31). Received: seed={self.seed!r}")
+            raise ValueError(
+                f"Argument `seed` must be an int in [0, 2^31). Received: seed={self.seed!r}"
+            )
         object.__setattr__(self, "seed", seed)
 
     def factored_axes(self, shape) -> Optional[tuple[int, int]]:
@@ -90,7 +96,10 @@ class AdafactorOptions:
             a, b = by_size[-2], by_size[-1]
         else:
             a, b = rank - 2, rank - 1
-        if self.min_dim_size_to_factor is not None and min(shape[a], shape[b]) < self.min_dim_size_to_factor:
+        if (
+            self.min_dim_size_to_factor is not None
+            and min(shape[a], shape[b]) < self.min_dim_size_to_factor
+        ):
             return None
         return a, b
 
@@ -121,7 +130,11 @@ def split_options(options: AdafactorOptions) -> tuple[AdafactorOptions, dict]:
     `joined_options(structure, values)` gives options equal to `options` (with
     array values, inside a compiled function).
     """
-    values = {name: getattr(options, name) for name in ARGUMENT_OPTIONS if getattr(options, name) is not None}
+    values = {
+        name: getattr(options, name)
+        for name in ARGUMENT_OPTIONS
+        if getattr(options, name) is not None
+    }
     return dataclasses.replace(options, **{name: ARGUMENT_OPTIONS[name] for name in values}), values
 
 
@@ -228,7 +241,15 @@ def _per_variable(scalar, ndim: int, batch_dims: int):
 
 
 def preconditioned(
-    grad, param, slots, *, learning_rate, step, options: AdafactorOptions, factored_axes=None, evaluation=NEUTRAL
+    grad,
+    param,
+    slots,
+    *,
+    learning_rate,
+    step,
+    options: AdafactorOptions,
+    factored_axes=None,
+    evaluation=NEUTRAL,
 ) -> Preconditioned:
     """The first phase of a step: float32 `grad`, `param` (or anything `evaluation` sums like it), the slots.
 
@@ -253,7 +274,9 @@ def preconditioned(
         update_square_sum = ev.weighted_square_sum(grad, ops.square(preconditioner), None)
         scale = alpha * clip_factor(update_square_sum / numel, o.clip_threshold)
         return Preconditioned((v,), (preconditioner, _per_variable(scale, ndim, batch)))
-    a, b = (ndim - 2, ndim - 1) if factored_axes is None else (axis + batch for axis in factored_axes)
+    a, b = (
+        (ndim - 2, ndim - 1) if factored_axes is None else (axis + batch for axis in factored_axes)
+    )
     row, column = slots
     row_sum, column_sum = ev.square_sums(grad, (b, a))
     row = beta2_t * row + (1.0 - beta2_t) * (row_sum / _size(grad, (b,)) + o.epsilon_1)
@@ -285,12 +308,28 @@ def update(grad, factors, momentum, options: AdafactorOptions):
     return delta, momentum
 
 
-def adafactor_update(grad, param, slots, momentum, *, learning_rate, step, options, factored_axes=None,
-                     evaluation=NEUTRAL):
+def adafactor_update(
+    grad,
+    param,
+    slots,
+    momentum,
+    *,
+    learning_rate,
+    step,
+    options,
+    factored_axes=None,
+    evaluation=NEUTRAL,
+):
     """One whole step: `(delta, new_slots, new_momentum)`; `param - delta` is the new parameter."""
     result = preconditioned(
-        grad, param, slots, learning_rate=learning_rate, step=step, options=options,
-        factored_axes=factored_axes, evaluation=evaluation,
+        grad,
+        param,
+        slots,
+        learning_rate=learning_rate,
+        step=step,
+        options=options,
+        factored_axes=factored_axes,
+        evaluation=evaluation,
     )
     delta, momentum = update(grad, result.factors, momentum, options)
     return delta, result.slots, momentum

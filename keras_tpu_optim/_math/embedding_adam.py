@@ -43,12 +43,16 @@ class RowUpdateOptions:
     @property
     def adam_slot_names(self) -> tuple:
         """The slots `row_update` takes and returns after the weights, in order."""
-        return ("momenta", "velocities") + (("row_steps",) if self.bias_correction == "per_row" else ())
+        return ("momenta", "velocities") + (
+            ("row_steps",) if self.bias_correction == "per_row" else ()
+        )
 
     @property
     def slot_names(self) -> tuple:
         """Every slot row the row paths gather: `adam_slot_names`, then the lazy EMA's."""
-        return self.adam_slot_names + (("average_steps", "average") if self.ema_momentum is not None else ())
+        return self.adam_slot_names + (
+            ("average_steps", "average") if self.ema_momentum is not None else ()
+        )
 
 
 # The options a compiled row update takes as arguments (`split_options`): numbers whose value
@@ -71,7 +75,11 @@ def split_options(options: RowUpdateOptions) -> tuple[RowUpdateOptions, dict]:
     `joined_options(structure, values)` gives options equal to `options` (with
     array values, inside a compiled function).
     """
-    values = {name: getattr(options, name) for name in ARGUMENT_OPTIONS if getattr(options, name) is not None}
+    values = {
+        name: getattr(options, name)
+        for name in ARGUMENT_OPTIONS
+        if getattr(options, name) is not None
+    }
     return dataclasses.replace(options, **dict.fromkeys(values, 0.0)), values
 
 
@@ -110,7 +118,9 @@ def _per_row(x, like):
     return ops.reshape(x, (-1,) + (1,) * (len(like.shape) - 1))
 
 
-def row_update(grad, weight, momenta, velocities, learning_rate, options: RowUpdateOptions, row_steps=None):
+def row_update(
+    grad, weight, momenta, velocities, learning_rate, options: RowUpdateOptions, row_steps=None
+):
     """Adam on rows, with TPU-embedding semantics.
 
     Args:
@@ -137,7 +147,9 @@ def row_update(grad, weight, momenta, velocities, learning_rate, options: RowUpd
             raise ValueError('`bias_correction="per_row"` needs the rows\' `row_steps`.')
         row_steps = row_steps + ops.ones_like(row_steps)
         count = ops.cast(row_steps, "float32")
-        learning_rate = _per_row(bias_corrected_learning_rate(learning_rate, count, o.beta_1, o.beta_2), weight)
+        learning_rate = _per_row(
+            bias_corrected_learning_rate(learning_rate, count, o.beta_1, o.beta_2), weight
+        )
     grad = clip_between(grad, o.gradient_clip_min, o.gradient_clip_max)
     if o.weight_decay_factor is not None:
         decay = o.weight_decay_factor
@@ -206,7 +218,9 @@ def ema_rows(old_weight, new_weight, average, average_steps, ema_step, options: 
     # `ema_step + 1`. Written from the gathered counts, not as a broadcast: a scatter whose values
     # do not depend on the gather from the same slot makes XLA copy the whole `(rows,)` slot to
     # keep the gather's input (on TF, two copies of it a step).
-    return average, ops.cast(ops.maximum(ops.cast(average_steps, "int32"), ema_step + 1), average_steps.dtype)
+    return average, ops.cast(
+        ops.maximum(ops.cast(average_steps, "int32"), ema_step + 1), average_steps.dtype
+    )
 
 
 def touched_row_mask(gradient):

@@ -61,7 +61,9 @@ def random_bits(shape, seed, step, variable_index, offset=0):
     size = 1
     for dim in shape:
         size *= int(dim)
-    index = ops.reshape(ops.arange(int(offset), int(offset) + size, dtype="int32"), tuple(int(d) for d in shape))
+    index = ops.reshape(
+        ops.arange(int(offset), int(offset) + size, dtype="int32"), tuple(int(d) for d in shape)
+    )
     h = _mix(ops.add(ops.multiply(index, _int32(_GOLDEN)), key))
     # A second round keyed apart from the first (with `key + _GOLDEN` here,
     # element 1 would cancel to 0 under every key).
@@ -100,7 +102,9 @@ def stochastic_round(x, dtype, *, seed, step, variable_index, shape=None, offset
     if dtype not in ("bfloat16", "float16"):
         return ops.cast(x, dtype)
     x = ops.cast(x, "float32")
-    bits = random_bits(tuple(x.shape) if shape is None else tuple(shape), seed, step, variable_index, offset)
+    bits = random_bits(
+        tuple(x.shape) if shape is None else tuple(shape), seed, step, variable_index, offset
+    )
     if dtype == "bfloat16":
         rounded = _round_low_bits(x, bits, 16)
     else:

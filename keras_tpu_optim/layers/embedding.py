@@ -45,7 +45,7 @@ def _training_model_optimizer():
 # be updated, with why: each raises a `ValueError` naming it at the first training call.
 _UNSUPPORTED_IN_THE_MODEL = {
     "gradient_accumulation_steps": "the table is updated in the backward pass of every step, not once per "
-                                   "accumulated step",
+    "accumulated step",
     "loss_scale_factor": "the loss is scaled, so the gradient of the looked-up rows would arrive scaled",
     "skip_nonfinite_updates": "a skipped step cannot undo the table's update, made in the lookup's backward pass",
 }
@@ -148,7 +148,12 @@ class Embedding(keras.layers.Embedding):
         self._table_optimizer = _check_optimizer(optimizer)
         self.__dict__["_last_lookup_trace"] = None  # Not state: kept out of Keras's tracking.
         if self._table_optimizer is not None:
-            for argument in ("embeddings_regularizer", "embeddings_constraint", "lora_rank", "quantization_config"):
+            for argument in (
+                "embeddings_regularizer",
+                "embeddings_constraint",
+                "lora_rank",
+                "quantization_config",
+            ):
                 if kwargs.get(argument) is not None:
                     raise ValueError(
                         f"keras_tpu_optim.layers.Embedding: `{argument}` cannot be combined with `optimizer` "
@@ -187,16 +192,27 @@ class Embedding(keras.layers.Embedding):
             **state,
         )
         self.iterations = self.add_weight(
-            shape=(), initializer="zeros", dtype="float32", name="iterations",
-            trainable=True, overwrite_with_gradient=True,
+            shape=(),
+            initializer="zeros",
+            dtype="float32",
+            name="iterations",
+            trainable=True,
+            overwrite_with_gradient=True,
         )
         rowwise = self._table_optimizer.second_moment == "rowwise"
         self.momenta = self.add_weight(
-            shape=(self.input_dim, self.output_dim), initializer="zeros", dtype="float32", name="momenta", **state
+            shape=(self.input_dim, self.output_dim),
+            initializer="zeros",
+            dtype="float32",
+            name="momenta",
+            **state,
         )
         self.velocities = self.add_weight(
             shape=rows if rowwise else (self.input_dim, self.output_dim),
-            initializer="zeros", dtype="float32", name="velocities", **state,
+            initializer="zeros",
+            dtype="float32",
+            name="velocities",
+            **state,
         )
         self.row_steps = None
         if self._table_optimizer.bias_correction == "per_row":
@@ -207,15 +223,19 @@ class Embedding(keras.layers.Embedding):
 
     def _row_state(self):
         """The table and its slots, in the order of the row update's `options.slot_names`."""
-        slots = (self.momenta, self.velocities) + (() if self.row_steps is None else (self.row_steps,))
+        slots = (self.momenta, self.velocities) + (
+            () if self.row_steps is None else (self.row_steps,)
+        )
         return (self._embeddings,) + slots
 
     def _row_update_arguments(self, step):
         """`(learning_rate, options)` of the row update after `step` updates (`neutral.update_rows_in_float32`)."""
         optimizer = self._table_optimizer
         _check_optimizer(optimizer)  # Hyperparameters may have been set since the layer was built.
-        for name, built_with in (("second_moment", "rowwise" if len(self.velocities.shape) == 1 else "full"),
-                                 ("bias_correction", "global" if self.row_steps is None else "per_row")):
+        for name, built_with in (
+            ("second_moment", "rowwise" if len(self.velocities.shape) == 1 else "full"),
+            ("bias_correction", "global" if self.row_steps is None else "per_row"),
+        ):
             if getattr(optimizer, name) != built_with:
                 raise ValueError(
                     f"keras_tpu_optim.layers.Embedding: its optimizer's `{name}` decides the table's slots, which "
@@ -284,7 +304,9 @@ class Embedding(keras.layers.Embedding):
     def get_config(self):
         config = super().get_config()
         config["optimizer"] = (
-            None if self._table_optimizer is None else keras.optimizers.serialize(self._table_optimizer)
+            None
+            if self._table_optimizer is None
+            else keras.optimizers.serialize(self._table_optimizer)
         )
         return config
 

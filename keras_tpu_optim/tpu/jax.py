@@ -34,7 +34,9 @@ class RowUpdateComputation:
     options: adam_math.RowUpdateOptions
 
     def __call__(self, grad, table, momenta, velocities, learning_rate):
-        return tuple(adam_math.row_update(grad, table, momenta, velocities, learning_rate, self.options))
+        return tuple(
+            adam_math.row_update(grad, table, momenta, velocities, learning_rate, self.options)
+        )
 
 
 class BiasCorrectedLearningRate:

@@ -20,7 +20,9 @@ class TPUEmbeddingAdam(tf.tpu.experimental.embedding.Adam):
     load/retrieve ops, `isinstance` checks in TF and keras-rs) is TF's Adam.
     """
 
-    def _set_optimization_parameters(self, parameters: optimization_parameters_pb2.OptimizationParameters) -> None:
+    def _set_optimization_parameters(
+        self, parameters: optimization_parameters_pb2.OptimizationParameters
+    ) -> None:
         accumulation = optimization_parameters_pb2.GradientAccumulationStatus
         parameters.gradient_accumulation_status = (
             accumulation.ENABLED if self.use_gradient_accumulation else accumulation.DISABLED
@@ -72,7 +74,9 @@ def to_tpu_embedding(optimizer) -> TPUEmbeddingAdam:
     _export.check_row_options(optimizer, _ENGINE)
     options = optimizer._row_update_options()
     has_decay = options.weight_decay_factor is not None
-    has_gradient_clip = options.gradient_clip_min is not None or options.gradient_clip_max is not None
+    has_gradient_clip = (
+        options.gradient_clip_min is not None or options.gradient_clip_max is not None
+    )
     return TPUEmbeddingAdam(
         learning_rate=BiasCorrectedLearningRate(optimizer),
         beta_1=options.beta_1,
@@ -89,6 +93,8 @@ def to_tpu_embedding(optimizer) -> TPUEmbeddingAdam:
             options.multiply_weight_decay_factor_by_learning_rate if has_decay else None
         ),
         slot_variable_creation_fn=optimizer.slot_variable_creation_fn,
-        clipvalue=(options.gradient_clip_min, options.gradient_clip_max) if has_gradient_clip else None,
+        clipvalue=(options.gradient_clip_min, options.gradient_clip_max)
+        if has_gradient_clip
+        else None,
         low_dimensional_packing_status=optimizer.low_dimensional_packing_status,
     )

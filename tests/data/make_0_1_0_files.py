@@ -40,7 +40,9 @@ import keras_tpu_optim as kto
 HERE = os.path.dirname(os.path.abspath(__file__))
 _THIS_CHECKOUT = os.path.dirname(os.path.dirname(HERE))
 _PACKAGE_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(kto.__file__)))
-if kto.__version__ != "0.1.0" or os.path.realpath(_PACKAGE_CHECKOUT) == os.path.realpath(_THIS_CHECKOUT):
+if kto.__version__ != "0.1.0" or os.path.realpath(_PACKAGE_CHECKOUT) == os.path.realpath(
+    _THIS_CHECKOUT
+):
     sys.exit(
         "make_0_1_0_files.py must be run with the released keras_tpu_optim 0.1.0 from a separate "
         f"checkout (PYTHONPATH=<0.1.0 checkout>); this is {kto.__version__} from {kto.__file__}."
@@ -84,7 +86,9 @@ def train_and_save(model, optimizer, data, filename):
         model.train_on_batch(x[batch], y[batch])
     path = os.path.join(HERE, filename)
     model.save(path)
-    print(f"{path}: {os.path.getsize(path)} bytes, {len(model.optimizer.variables)} optimizer variables")
+    print(
+        f"{path}: {os.path.getsize(path)} bytes, {len(model.optimizer.variables)} optimizer variables"
+    )
 
 
 def main():

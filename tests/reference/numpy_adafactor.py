@@ -115,7 +115,9 @@ class NumpyAdafactor:
             dtype = np.asarray(param).dtype
             x = np.asarray(param).astype(np.float64)
             g = np.asarray(grad).astype(np.float64)
-            if self.weight_decay is not None and not any(n in name for n in self.exclude_from_weight_decay):
+            if self.weight_decay is not None and not any(
+                n in name for n in self.exclude_from_weight_decay
+            ):
                 x = x - x * self.weight_decay * lr
             alpha = max(self.epsilon_2, rms(x)) * rho if self.multiply_by_parameter_scale else rho
             g2 = np.square(g) + self.epsilon_1

@@ -61,9 +61,23 @@ def clip_by_norm(gradient, clipnorm):
     return gradient * (clipnorm / norm)
 
 
-def adam_row(gradient, weight, momenta, velocities, lr_t, *, beta_1, beta_2, epsilon, sum_inside_sqrt,
-             clip_weight_min, clip_weight_max, weight_decay_factor, multiply_by_learning_rate,
-             second_moment="full"):
+def adam_row(
+    gradient,
+    weight,
+    momenta,
+    velocities,
+    lr_t,
+    *,
+    beta_1,
+    beta_2,
+    epsilon,
+    sum_inside_sqrt,
+    clip_weight_min,
+    clip_weight_max,
+    weight_decay_factor,
+    multiply_by_learning_rate,
+    second_moment="full",
+):
     """One row (or a stack of rows) of docs/algorithms.md#embeddingadam, after gradient clipping.
 
     For a stack of rows `lr_t` may hold one rate per row. With
@@ -103,15 +117,35 @@ class NumpyEmbeddingAdam:
     value Keras passes a `LearningRateSchedule`: its `iterations` before the step).
     """
 
-    def __init__(self, weights, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, lazy_adam=True,
-                 sum_inside_sqrt=True, use_gradient_accumulation=True, clip_weight_min=None, clip_weight_max=None,
-                 weight_decay_factor=None, multiply_weight_decay_factor_by_learning_rate=None, clipvalue=None,
-                 clipnorm=None, weight_dtype=None, second_moment="full", bias_correction="global"):
-        self.weight_dtype = np.dtype(weight_dtype) if weight_dtype is not None else np.asarray(weights).dtype
+    def __init__(
+        self,
+        weights,
+        learning_rate=0.001,
+        beta_1=0.9,
+        beta_2=0.999,
+        epsilon=1e-7,
+        lazy_adam=True,
+        sum_inside_sqrt=True,
+        use_gradient_accumulation=True,
+        clip_weight_min=None,
+        clip_weight_max=None,
+        weight_decay_factor=None,
+        multiply_weight_decay_factor_by_learning_rate=None,
+        clipvalue=None,
+        clipnorm=None,
+        weight_dtype=None,
+        second_moment="full",
+        bias_correction="global",
+    ):
+        self.weight_dtype = (
+            np.dtype(weight_dtype) if weight_dtype is not None else np.asarray(weights).dtype
+        )
         self.weights = np.array(weights, dtype=self.weight_dtype)
         self.momenta = np.zeros(self.weights.shape, np.float64)
         rows = self.weights.shape[0]
-        self.velocities = np.zeros((rows,) if second_moment == "rowwise" else self.weights.shape, np.float64)
+        self.velocities = np.zeros(
+            (rows,) if second_moment == "rowwise" else self.weights.shape, np.float64
+        )
         self.row_steps = np.zeros((rows,), np.int64)  # updates applied to each row
         self.bias_correction = bias_correction
         self.iterations = 0
@@ -121,8 +155,12 @@ class NumpyEmbeddingAdam:
         self.clipvalue = clipvalue
         self.clipnorm = clipnorm
         self.row_options = dict(
-            beta_1=beta_1, beta_2=beta_2, epsilon=epsilon, sum_inside_sqrt=sum_inside_sqrt,
-            clip_weight_min=clip_weight_min, clip_weight_max=clip_weight_max,
+            beta_1=beta_1,
+            beta_2=beta_2,
+            epsilon=epsilon,
+            sum_inside_sqrt=sum_inside_sqrt,
+            clip_weight_min=clip_weight_min,
+            clip_weight_max=clip_weight_max,
             weight_decay_factor=weight_decay_factor,
             multiply_by_learning_rate=bool(multiply_weight_decay_factor_by_learning_rate),
             second_moment=second_moment,
@@ -130,12 +168,20 @@ class NumpyEmbeddingAdam:
 
     def _lr_t(self, rows=None):
         """The bias-corrected rate of this step: for `rows` (an array), one per row under per-row correction."""
-        lr = self.learning_rate(self.iterations) if callable(self.learning_rate) else self.learning_rate
+        lr = (
+            self.learning_rate(self.iterations)
+            if callable(self.learning_rate)
+            else self.learning_rate
+        )
         options = self.row_options
         if self.bias_correction == "per_row":
             counts = self.row_steps[rows] + 1  # this update included
-            return bias_corrected_learning_rate(lr, counts.astype(np.float64), options["beta_1"], options["beta_2"])
-        return bias_corrected_learning_rate(lr, self.iterations + 1, options["beta_1"], options["beta_2"])
+            return bias_corrected_learning_rate(
+                lr, counts.astype(np.float64), options["beta_1"], options["beta_2"]
+            )
+        return bias_corrected_learning_rate(
+            lr, self.iterations + 1, options["beta_1"], options["beta_2"]
+        )
 
     def _update(self, rows, row_gradients):
         """Update `rows` (unique, sorted or not) with their (already combined) gradients."""
@@ -143,8 +189,12 @@ class NumpyEmbeddingAdam:
         lr_t = self._lr_t(rows)
         weight = self.weights.astype(np.float64)
         new_w, new_m, new_v = adam_row(
-            clip_gradient(row_gradients, self.clipvalue), weight[rows], self.momenta[rows],
-            self.velocities[rows], lr_t, **self.row_options,
+            clip_gradient(row_gradients, self.clipvalue),
+            weight[rows],
+            self.momenta[rows],
+            self.velocities[rows],
+            lr_t,
+            **self.row_options,
         )
         weight[rows] = new_w
         self.momenta[rows] = new_m
@@ -160,7 +210,11 @@ class NumpyEmbeddingAdam:
             gradient = clip_by_norm(gradient, self.clipnorm)
         if self.lazy_adam:
             nonzero = gradient != 0
-            touched = nonzero if gradient.ndim == 1 else nonzero.reshape(gradient.shape[0], -1).any(axis=1)
+            touched = (
+                nonzero
+                if gradient.ndim == 1
+                else nonzero.reshape(gradient.shape[0], -1).any(axis=1)
+            )
             rows = np.flatnonzero(touched)
         else:
             rows = np.arange(gradient.shape[0])
@@ -187,8 +241,12 @@ class NumpyEmbeddingAdam:
         for position, row in enumerate(indices):
             lr_t = self._lr_t(np.asarray(row))
             w, m, v = adam_row(
-                clip_gradient(values[position], self.clipvalue), old_w[row], self.momenta[row],
-                self.velocities[row], lr_t, **self.row_options,
+                clip_gradient(values[position], self.clipvalue),
+                old_w[row],
+                self.momenta[row],
+                self.velocities[row],
+                lr_t,
+                **self.row_options,
             )
             new_weight[row], new_m[row], new_v[row] = w, m, v
         self.weights = new_weight.astype(self.weight_dtype)

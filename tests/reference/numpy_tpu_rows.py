@@ -15,7 +15,9 @@ from typing import Optional, Tuple
 import numpy as np
 
 
-def bias_corrected_learning_rate(learning_rate: float, step: int, beta_1: float, beta_2: float) -> float:
+def bias_corrected_learning_rate(
+    learning_rate: float, step: int, beta_1: float, beta_2: float
+) -> float:
     """`lr_t` for the 1-based step `step`."""
     return learning_rate * np.sqrt(1.0 - beta_2**step) / (1.0 - beta_1**step)
 
@@ -69,7 +71,9 @@ def _clip(x, bounds):
 
 def engine_row_update(grad, weight, momenta, velocities, learning_rate, options: EngineOptions):
     """One step of the engine on rows, `learning_rate` being the fed (bias-corrected) rate."""
-    grad, weight, momenta, velocities = (np.asarray(a, np.float64) for a in (grad, weight, momenta, velocities))
+    grad, weight, momenta, velocities = (
+        np.asarray(a, np.float64) for a in (grad, weight, momenta, velocities)
+    )
     grad = _clip(grad, options.gradient_clip)
     if options.weight_decay_factor is not None:
         decay = options.weight_decay_factor

@@ -16,7 +16,6 @@ from keras_tpu_optim._math import embedding_adam as adam_math
 from keras_tpu_optim._backend.jax.adafactor import adafactor_evaluation
 
 
-
 def platform_of(variable) -> str:
     try:
         devices = variable.value.devices()
@@ -107,8 +106,14 @@ def _adafactor_update(structure, evaluation):
         variable, slots = values[0], values[1 : len(values) - (options.beta_1 is not None)]
         momentum = values[-1] if options.beta_1 is not None else None
         delta, new_slots, new_momentum = neutral.adafactor_results(
-            gradient, variable, slots, momentum,
-            learning_rate=learning_rate, step=step, options=options, evaluation=evaluation,
+            gradient,
+            variable,
+            slots,
+            momentum,
+            learning_rate=learning_rate,
+            step=step,
+            options=options,
+            evaluation=evaluation,
         )
         if momentum is not None:
             new_slots = (*new_slots, ops.cast(new_momentum, momentum.dtype))
@@ -132,7 +137,10 @@ def embedding_adam_step(optimizer, gradient, variable, learning_rate):
         if concrete(entries[0]):
             entries = rows.padded_entries(*entries, num_rows)
     else:
-        path = ("dense", min(num_rows, optimizer.max_touched_rows or rows.default_capacity(num_rows)))
+        path = (
+            "dense",
+            min(num_rows, optimizer.max_touched_rows or rows.default_capacity(num_rows)),
+        )
         entries = (gradient,)
     targets = (variable, *optimizer._row_slots(variable))
     structure, values = adam_math.split_options(optimizer._row_update_options(variable))
@@ -206,7 +214,10 @@ def _eager_accumulated_apply(optimizer, grads, variables):
     the EMA, installed in the weights every `ema_overwrite_frequency` updates.
     """
     steps = optimizer.gradient_accumulation_steps
-    accumulators = [_private.gradient_accumulators(optimizer)[_private.variable_index(optimizer, v)] for v in variables]
+    accumulators = [
+        _private.gradient_accumulators(optimizer)[_private.variable_index(optimizer, v)]
+        for v in variables
+    ]
     if (int(_private.raw_iterations(optimizer)) + 1) % steps == 0:
         means = [(g + acc.value) / steps for g, acc in zip(grads, accumulators)]
         means = _private.clip_gradients(optimizer, means)
@@ -224,7 +235,9 @@ def _eager_accumulated_apply(optimizer, grads, variables):
             _private.overwrite_with_moving_averages(optimizer)
 
 
-def trained_lookup(ids, state, iterations, row_update_arguments, *, lazy, accumulate_duplicates, owner):
+def trained_lookup(
+    ids, state, iterations, row_update_arguments, *, lazy, accumulate_duplicates, owner
+):
     """The rows of `state[0]` at `ids`; the backward pass returns, as the gradients of the table, its slots and
     `iterations`, their values after the row update (Keras's `overwrite_with_gradient` installs them).
 
@@ -247,13 +260,17 @@ def trained_lookup(ids, state, iterations, row_update_arguments, *, lazy, accumu
         flat_ids = ids.reshape(-1)
         values = row_gradients.reshape((flat_ids.shape[0],) + tuple(tables[0].shape[1:]))
         learning_rate, options = row_update_arguments(step)
-        update_rows = functools.partial(neutral.update_rows_in_float32, learning_rate=learning_rate, options=options)
+        update_rows = functools.partial(
+            neutral.update_rows_in_float32, learning_rate=learning_rate, options=options
+        )
         if lazy:
             new_tables = rows.sparse_row_update(
                 update_rows, flat_ids, values, tables, accumulate_duplicates=accumulate_duplicates
             )
         else:
-            gradient = jax.numpy.zeros(tables[0].shape, values.dtype).at[flat_ids].add(values, mode="drop")
+            gradient = (
+                jax.numpy.zeros(tables[0].shape, values.dtype).at[flat_ids].add(values, mode="drop")
+            )
             new_tables = update_rows(gradient, *tables)
         return (None, step + 1, *(new.astype(t.dtype) for new, t in zip(new_tables, tables)))
 

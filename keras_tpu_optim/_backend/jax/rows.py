@@ -38,7 +38,9 @@ touched_mask = adam_math.touched_row_mask  # Rows with any non-zero (or NaN) ent
 def pack_bits(mask):
     """A boolean vector as uint32 words, row `32 * w + b` in bit `b` of word `w`."""
     padded = jnp.pad(mask, (0, -mask.shape[0] % _BITS)).reshape(-1, _BITS)
-    return jnp.sum(padded.astype(jnp.uint32) << jnp.arange(_BITS, dtype=jnp.uint32), axis=1, dtype=jnp.uint32)
+    return jnp.sum(
+        padded.astype(jnp.uint32) << jnp.arange(_BITS, dtype=jnp.uint32), axis=1, dtype=jnp.uint32
+    )
 
 
 def first_set_bits(words, size, fill_value):
@@ -64,7 +66,9 @@ def clear_through(words, position):
     last_word, last_bit = position // _BITS, (position % _BITS).astype(jnp.uint32)
     # Bits above `last_bit` survive in the last word: ~(2^(last_bit+1) - 1), without overflowing at 31.
     keep_high = ~((jnp.uint32(2) << last_bit) - jnp.uint32(1))
-    return jnp.where(word_index > last_word, words, jnp.where(word_index == last_word, words & keep_high, 0))
+    return jnp.where(
+        word_index > last_word, words, jnp.where(word_index == last_word, words & keep_high, 0)
+    )
 
 
 def default_capacity(num_rows: int) -> int:
@@ -89,13 +93,17 @@ def lazy_row_update(update_rows, gradient, tables, *, capacity):
         ids = first_set_bits(left, capacity, num_rows)
         gather = lambda x: x.at[ids].get(mode="clip")
         new_rows = update_rows(gather(gradient), *(gather(t) for t in tables))
-        tables = tuple(t.at[ids].set(r.astype(t.dtype), mode="drop") for t, r in zip(tables, new_rows))
+        tables = tuple(
+            t.at[ids].set(r.astype(t.dtype), mode="drop") for t, r in zip(tables, new_rows)
+        )
         return done + capacity, clear_through(left, ids[capacity - 1]), tables
 
     def rows_left(state):
         return state[0] < count
 
-    _, _, new_tables = jax.lax.while_loop(rows_left, update_round, (jnp.int32(0), touched, tuple(tables)))
+    _, _, new_tables = jax.lax.while_loop(
+        rows_left, update_round, (jnp.int32(0), touched, tuple(tables))
+    )
     return new_tables
 
 
@@ -106,7 +114,9 @@ def row_entries(gradient):
     its entries' rows densified, one row per entry (static shapes).
     """
     if gradient.n_batch != 0 or gradient.n_sparse != 1:
-        gradient = jax_sparse.bcoo_update_layout(gradient, n_batch=0, n_dense=gradient.ndim - 1, on_inefficient=None)
+        gradient = jax_sparse.bcoo_update_layout(
+            gradient, n_batch=0, n_dense=gradient.ndim - 1, on_inefficient=None
+        )
     return gradient.indices[:, 0], gradient.data
 
 
@@ -170,7 +180,10 @@ def sparse_row_update(update_rows, ids, rows, tables, *, accumulate_duplicates):
         tables[accumulator] = summed
         rows = summed.at[ids].get(mode="clip")
     new_rows = update_rows(rows, *old_rows)
-    return tuple(table.at[ids].set(new.astype(table.dtype), mode="drop") for table, new in zip(tables, new_rows))
+    return tuple(
+        table.at[ids].set(new.astype(table.dtype), mode="drop")
+        for table, new in zip(tables, new_rows)
+    )
 
 
 def _accumulator(tables):

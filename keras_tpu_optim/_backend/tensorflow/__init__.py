@@ -11,7 +11,12 @@ from keras import ops
 from keras_tpu_optim import _private
 from keras_tpu_optim._backend import neutral
 from keras_tpu_optim._backend.tensorflow import accumulation, rows
-from keras_tpu_optim._backend.tensorflow.gradients import checked_gradient, densify, gradient_values, unscale
+from keras_tpu_optim._backend.tensorflow.gradients import (
+    checked_gradient,
+    densify,
+    gradient_values,
+    unscale,
+)
 from keras_tpu_optim._backend.tensorflow.adafactor import adafactor_evaluation, adafactor_step
 
 cond = neutral.cond
@@ -61,7 +66,11 @@ def platform_of(variable) -> str:
 
 def embedding_adam_step(optimizer, gradient, variable, learning_rate):
     accumulate = optimizer.use_gradient_accumulation
-    if optimizer.lazy_adam and not _private.in_stateless_scope() and rows.compiled_update_applies(gradient):
+    if (
+        optimizer.lazy_adam
+        and not _private.in_stateless_scope()
+        and rows.compiled_update_applies(gradient)
+    ):
         rows.compiled_lazy_row_update(
             optimizer,
             neutral.update_rows_in_float32,
@@ -92,7 +101,9 @@ def apply_gradients(optimizer, grads, variables, keras_apply):
     neutral.accumulated_apply(optimizer, grads, variables, rows=accumulation.for_owner(optimizer))
 
 
-def trained_lookup(ids, state, iterations, row_update_arguments, *, lazy, accumulate_duplicates, owner):
+def trained_lookup(
+    ids, state, iterations, row_update_arguments, *, lazy, accumulate_duplicates, owner
+):
     """The rows of `state[0]` at `ids`; the backward pass updates the rows looked up (and their slots) in place
     and returns `iterations + 1` as the gradient of `iterations` (see `keras_tpu_optim._backend`).
 
@@ -112,8 +123,14 @@ def trained_lookup(ids, state, iterations, row_update_arguments, *, lazy, accumu
     def hooked(looked_up, step):
         def gradient(row_gradients):
             _update_looked_up_rows(
-                owner, state, ids, row_gradients, step, row_update_arguments,
-                lazy=lazy, accumulate_duplicates=accumulate_duplicates,
+                owner,
+                state,
+                ids,
+                row_gradients,
+                step,
+                row_update_arguments,
+                lazy=lazy,
+                accumulate_duplicates=accumulate_duplicates,
             )
             return None, step + 1
 
@@ -122,23 +139,42 @@ def trained_lookup(ids, state, iterations, row_update_arguments, *, lazy, accumu
     return hooked(looked_up, tf.convert_to_tensor(iterations.value))
 
 
-def _update_looked_up_rows(owner, state, ids, row_gradients, step, row_update_arguments, *, lazy, accumulate_duplicates):
+def _update_looked_up_rows(
+    owner, state, ids, row_gradients, step, row_update_arguments, *, lazy, accumulate_duplicates
+):
     table, slots = state[0], state[1:]
     flat_ids = tf.reshape(ids, [-1])
-    values = tf.reshape(row_gradients, tf.concat([tf.shape(flat_ids), tf.shape(table.value)[1:]], 0))
+    values = tf.reshape(
+        row_gradients, tf.concat([tf.shape(flat_ids), tf.shape(table.value)[1:]], 0)
+    )
     learning_rate, options = row_update_arguments(step)
-    update_rows = functools.partial(neutral.update_rows_in_float32, learning_rate=learning_rate, options=options)
+    update_rows = functools.partial(
+        neutral.update_rows_in_float32, learning_rate=learning_rate, options=options
+    )
     if not lazy:
-        neutral.dense_row_update(update_rows, tf.math.unsorted_segment_sum(values, flat_ids, table.shape[0]), table, slots)
+        neutral.dense_row_update(
+            update_rows,
+            tf.math.unsorted_segment_sum(values, flat_ids, table.shape[0]),
+            table,
+            slots,
+        )
         return
     gradient = tf.IndexedSlices(values, flat_ids, tf.shape(table.value, out_type=flat_ids.dtype))
     if rows.compiled_update_applies(gradient):
         rows.compiled_lazy_row_update(
-            owner, neutral.update_rows_in_float32, options, learning_rate, gradient, table, slots,
+            owner,
+            neutral.update_rows_in_float32,
+            options,
+            learning_rate,
+            gradient,
+            table,
+            slots,
             accumulate_duplicates=accumulate_duplicates,
         )
         return
-    rows.lazy_row_update(update_rows, gradient, table, slots, accumulate_duplicates=accumulate_duplicates)
+    rows.lazy_row_update(
+        update_rows, gradient, table, slots, accumulate_duplicates=accumulate_duplicates
+    )
 
 
 def lookup_trace(iterations):

@@ -57,7 +57,9 @@ def add_to_window(accumulator, window, ids, values, number, *, owner):
 def _add_to_window(ids, values, number, targets):
     accumulator, window = targets
     accumulator.scatter_add(tf.IndexedSlices(tf.cast(values, accumulator.dtype), ids))
-    window.scatter_update(tf.IndexedSlices(tf.fill(tf.shape(ids), tf.cast(number, window.dtype)), ids))
+    window.scatter_update(
+        tf.IndexedSlices(tf.fill(tf.shape(ids), tf.cast(number, window.dtype)), ids)
+    )
 
 
 def window_sizes(like, window, steps):
@@ -113,8 +115,14 @@ def _window_mean(ids, real, steps, targets):
     summed = tf.gather(table, ids)
     # Zeros derived from the rows read (0 for non-finite ones too): the zeroing is then
     # ordered after the read without a copy of the accumulator.
-    table.scatter_update(tf.IndexedSlices(tf.where(tf.math.is_finite(summed), summed * 0, tf.zeros_like(summed)), ids))
-    real = tf.reshape(real, tf.concat([tf.shape(real), tf.ones([tf.rank(summed) - 1], tf.int32)], 0))
+    table.scatter_update(
+        tf.IndexedSlices(
+            tf.where(tf.math.is_finite(summed), summed * 0, tf.zeros_like(summed)), ids
+        )
+    )
+    real = tf.reshape(
+        real, tf.concat([tf.shape(real), tf.ones([tf.rank(summed) - 1], tf.int32)], 0)
+    )
     return tf.where(real, summed / steps, tf.zeros_like(summed))
 
 

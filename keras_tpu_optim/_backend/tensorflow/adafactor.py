@@ -29,7 +29,11 @@ from keras import ops
 
 from keras_tpu_optim import _private
 from keras_tpu_optim._backend import blocks, neutral
-from keras_tpu_optim._backend.tensorflow._compile import compiled_function, compiling_helps, native_variable
+from keras_tpu_optim._backend.tensorflow._compile import (
+    compiled_function,
+    compiling_helps,
+    native_variable,
+)
 from keras_tpu_optim._backend.tensorflow.gradients import densify
 from keras_tpu_optim._math import adafactor as adafactor_math
 
@@ -117,7 +121,9 @@ def adafactor_step(optimizer, gradient, variable, learning_rate):
     blocked = platform == "cpu" and keras.backend.standardize_dtype(variable.dtype) == "float32"
     evaluation = None if blocked else evaluation
     update = compiled_function(
-        optimizer, ("adafactor", structure, evaluation), lambda: _assigning_update(structure, evaluation),
+        optimizer,
+        ("adafactor", structure, evaluation),
+        lambda: _assigning_update(structure, evaluation),
         xla=not blocked,
     )
     with after_previous_step() as done:
@@ -141,8 +147,14 @@ def _assigning_update(structure, evaluation):
 
     def update(grad, variable, slots, momentum, learning_rate, step, variable_index, option_values):
         assignments = assigning_step(
-            grad, variable, slots, momentum, learning_rate=learning_rate, step=step,
-            options=adafactor_math.joined_options(structure, option_values), variable_index=variable_index,
+            grad,
+            variable,
+            slots,
+            momentum,
+            learning_rate=learning_rate,
+            step=step,
+            options=adafactor_math.joined_options(structure, option_values),
+            variable_index=variable_index,
             evaluation=evaluation,
         )
         with tf.control_dependencies(assignments):
@@ -151,8 +163,19 @@ def _assigning_update(structure, evaluation):
     return update
 
 
-def assigning_step(grad, variable, slots, momentum, *, learning_rate, step, options, variable_index=0,
-                   evaluation=None, chunk_elements=blocks.CHUNK_ELEMENTS):
+def assigning_step(
+    grad,
+    variable,
+    slots,
+    momentum,
+    *,
+    learning_rate,
+    step,
+    options,
+    variable_index=0,
+    evaluation=None,
+    chunk_elements=blocks.CHUNK_ELEMENTS,
+):
     """One step of `tf.Variable`s through their assignments; returns them (graph) or [] (eager).
 
     `evaluation` None: the sums in blocks of `chunk_elements`, each after the previous one's.
@@ -160,15 +183,27 @@ def assigning_step(grad, variable, slots, momentum, *, learning_rate, step, opti
     if evaluation is None:
         evaluation = blocks.Blocked(tuple(variable.shape), CPU_EVALUATION, _after, chunk_elements)
     delta, new_slots, new_momentum = neutral.adafactor_results(
-        grad, variable.read_value(), tuple(s.read_value() for s in slots),
+        grad,
+        variable.read_value(),
+        tuple(s.read_value() for s in slots),
         None if momentum is None else momentum.read_value(),
-        learning_rate=learning_rate, step=step, options=options, evaluation=evaluation,
+        learning_rate=learning_rate,
+        step=step,
+        options=options,
+        evaluation=evaluation,
     )
     assignments = []
     neutral.assign_update(
-        variable, delta, slots, new_slots, momentum, new_momentum,
+        variable,
+        delta,
+        slots,
+        new_slots,
+        momentum,
+        new_momentum,
         assign=lambda target, value: assignments.append(target.assign(value, read_value=False)),
-        assign_sub=lambda target, value: assignments.append(target.assign_sub(value, read_value=False)),
+        assign_sub=lambda target, value: assignments.append(
+            target.assign_sub(value, read_value=False)
+        ),
         round_to=neutral.variable_rounding(options, step, variable_index, variable.shape),
     )
     return [op for op in assignments if op is not None]

@@ -31,10 +31,17 @@ def checked_gradient(gradient, variable, mismatch):
     """
     sparse = isinstance(gradient, tf.IndexedSlices)
     indices, values = sparse_entries(gradient) if sparse else (None, tf.convert_to_tensor(gradient))
-    start = 1 if sparse else 0  # An IndexedSlices' values have one row per index; the rest must match.
+    start = (
+        1 if sparse else 0
+    )  # An IndexedSlices' values have one row per index; the rest must match.
     want = tf.TensorShape(variable.shape[start:])
     have = values.shape[start:] if values.shape.rank is not None else None
-    if have is not None and have.rank != want.rank or have is not None and not have.is_compatible_with(want):
+    if (
+        have is not None
+        and have.rank != want.rank
+        or have is not None
+        and not have.is_compatible_with(want)
+    ):
         raise ValueError(mismatch(_described(variable, have, sparse)))
     if have is not None and have.is_fully_defined():
         return gradient
@@ -54,7 +61,9 @@ def checked_gradient(gradient, variable, mismatch):
         values = tf.ensure_shape(values, full)
     else:
         # Not `ensure_shape`: TF's shape inference would raise its own message before the assertion runs.
-        with tf.control_dependencies([tf.debugging.Assert(same, [message, "Its shape at run time:", tf.shape(values)])]):
+        with tf.control_dependencies(
+            [tf.debugging.Assert(same, [message, "Its shape at run time:", tf.shape(values)])]
+        ):
             values = tf.identity(values)
         values.set_shape(full)
     return tf.IndexedSlices(values, indices, gradient.dense_shape) if sparse else values

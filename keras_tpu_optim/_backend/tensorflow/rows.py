@@ -143,7 +143,16 @@ def compiled_update_applies(gradient) -> bool:
 
 
 def compiled_lazy_row_update(
-    owner, row_function, options, learning_rate, gradient, variable, slots, *, accumulate_duplicates, ema_step=None
+    owner,
+    row_function,
+    options,
+    learning_rate,
+    gradient,
+    variable,
+    slots,
+    *,
+    accumulate_duplicates,
+    ema_step=None,
 ):
     """`sparse_row_update` of an IndexedSlices gradient outside XLA, as one XLA computation.
 
@@ -211,7 +220,9 @@ def _compilable_update(row_function, structure, accumulate_duplicates):
         options = adam_math.joined_options(structure, option_values)
 
         def update_rows(*rows):
-            return row_function(*rows, learning_rate=learning_rate, options=options, ema_step=ema_step)
+            return row_function(
+                *rows, learning_rate=learning_rate, options=options, ema_step=ema_step
+            )
 
         sparse_row_update(update_rows, indices, values, targets, accumulate_duplicates)
 

@@ -67,7 +67,9 @@ def scratch_of(owner) -> Scratch:
 
 
 def adafactor_step(optimizer, gradient, variable, learning_rate):
-    if _private.in_stateless_scope() or not blocked_adafactor_applies(optimizer._platform_of(variable)):
+    if _private.in_stateless_scope() or not blocked_adafactor_applies(
+        optimizer._platform_of(variable)
+    ):
         neutral.adafactor_step(optimizer, densify(gradient), variable, learning_rate)
         return
     state = optimizer._state_of(variable)
@@ -116,12 +118,21 @@ def adafactor_steps(optimizer, grads, variables, learning_rate, keras_steps):
         for position in positions:
             variable = variables[position]
             state = optimizer._state_of(variable)
-            members.append(adafactor.Member(
-                variable.value, densify(grads[position]), tuple(s.value for s in state.slots),
-                None if state.momentum is None else state.momentum.value,
-            ))
+            members.append(
+                adafactor.Member(
+                    variable.value,
+                    densify(grads[position]),
+                    tuple(s.value for s in state.slots),
+                    None if state.momentum is None else state.momentum.value,
+                )
+            )
         adafactor.grouped_step(
-            members, learning_rate=learning_rate, step=step, options=optimizer._options, axes=axes, indices=indices
+            members,
+            learning_rate=learning_rate,
+            step=step,
+            options=optimizer._options,
+            axes=axes,
+            indices=indices,
         )
 
 
@@ -154,7 +165,9 @@ def _new_group_plan(optimizer, variables, key) -> tuple:
         state = optimizer._state_of(variable)
         axes = optimizer._options.factored_axes(variable.shape) if len(state.slots) == 2 else None
         momentum = None if state.momentum is None else state.momentum.value
-        groups.setdefault(adafactor.group_key(variable.value, state.slots, momentum, axes), []).append(position)
+        groups.setdefault(
+            adafactor.group_key(variable.value, state.slots, momentum, axes), []
+        ).append(position)
     chunks = []
     for group, positions in groups.items():
         for chunk in adafactor.chunked(positions, math.prod(group[0])):
@@ -170,7 +183,8 @@ def embedding_adam_step(optimizer, gradient, variable, learning_rate):
         variable,
         learning_rate,
         lazy_row_update=functools.partial(
-            rows.lazy_row_update, accumulate_duplicates=optimizer.use_gradient_accumulation,
+            rows.lazy_row_update,
+            accumulate_duplicates=optimizer.use_gradient_accumulation,
             scratch=scratch_of(optimizer),
         ),
         densify=densify,
@@ -185,7 +199,9 @@ def apply_gradients(optimizer, grads, variables, keras_apply):
     neutral.accumulated_apply(optimizer, grads, variables, rows=accumulation)
 
 
-def trained_lookup(ids, state, iterations, row_update_arguments, *, lazy, accumulate_duplicates, owner):
+def trained_lookup(
+    ids, state, iterations, row_update_arguments, *, lazy, accumulate_duplicates, owner
+):
     """The rows of `state[0]` at `ids`; the backward pass updates the rows looked up (and their slots) in place
     and returns `iterations + 1` as the gradient of `iterations` (see `keras_tpu_optim._backend`)."""
     update = functools.partial(
@@ -229,7 +245,9 @@ def _check_one_update_per_step(owner, iterations):
     """
     key = (id(iterations), iterations._version)
     if _last_updates.get(owner) == key:
-        del _last_updates[owner]  # the next step, once the model's optimizer has run, is a fresh one
+        del _last_updates[
+            owner
+        ]  # the next step, once the model's optimizer has run, is a fresh one
         raise ValueError(
             f"keras_tpu_optim.layers.Embedding '{owner.name}' with `optimizer` is called twice in one training "
             "step (its table was updated at this step already); each call would update the table by itself. Look "
@@ -248,7 +266,9 @@ def _update_looked_up_rows(
     learning_rate, options = row_update_arguments(step)
     update_rows = neutral.RowUpdate(learning_rate=learning_rate, options=options)
     if not lazy:
-        gradient = torch.zeros(targets[0].shape, dtype=values.dtype, device=values.device).index_add_(0, flat_ids, values)
+        gradient = torch.zeros(
+            targets[0].shape, dtype=values.dtype, device=values.device
+        ).index_add_(0, flat_ids, values)
         for target, value in zip(targets, update_rows(gradient, *targets)):
             target.copy_(value)
         return

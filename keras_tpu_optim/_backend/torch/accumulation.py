@@ -44,4 +44,6 @@ def window_gradient(accumulator, window, number, steps, like, size=None):
     summed = accumulator.value.index_select(0, ids)
     accumulator.value.index_fill_(0, ids, 0)
     mean = (summed / steps).to(like.dtype)
-    return torch.sparse_coo_tensor(ids[None], mean, size=like.shape, is_coalesced=True, check_invariants=False)
+    return torch.sparse_coo_tensor(
+        ids[None], mean, size=like.shape, is_coalesced=True, check_invariants=False
+    )

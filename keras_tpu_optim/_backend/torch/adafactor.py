@@ -63,8 +63,18 @@ BLOCK_ELEMENTS = 1 << 20
 
 
 @torch.no_grad()
-def blocked_step(grad, param, slots, momentum, *, learning_rate, step, options, variable_index=0,
-                 chunk_elements=BLOCK_ELEMENTS) -> None:
+def blocked_step(
+    grad,
+    param,
+    slots,
+    momentum,
+    *,
+    learning_rate,
+    step,
+    options,
+    variable_index=0,
+    chunk_elements=BLOCK_ELEMENTS,
+) -> None:
     """One step of one variable, in place: the sums in blocks of the leading axis, then the update block by block.
 
     `slots` are the float32 statistics; `momentum` (or None) float32 or
@@ -75,12 +85,19 @@ def blocked_step(grad, param, slots, momentum, *, learning_rate, step, options, 
     shape = tuple(param.shape)
     evaluation = _Float32Blocks(shape, EVALUATION, chunk_elements=chunk_elements)
     if len(slots) == 1:
-        grad = _float32(grad)  # the unfactored statistics are elementwise, and as big as the variable
+        grad = _float32(
+            grad
+        )  # the unfactored statistics are elementwise, and as big as the variable
     step = step.to(param.device)
     result = adafactor_math.preconditioned(
-        grad, param, slots,
-        learning_rate=learning_rate.to(param.device, torch.float32), step=step.to(torch.float32),
-        options=options, factored_axes=options.factored_axes(shape), evaluation=evaluation,
+        grad,
+        param,
+        slots,
+        learning_rate=learning_rate.to(param.device, torch.float32),
+        step=step.to(torch.float32),
+        options=options,
+        factored_axes=options.factored_axes(shape),
+        evaluation=evaluation,
     )
     for slot, value in zip(slots, result.slots):
         slot.copy_(value)
@@ -111,7 +128,11 @@ class Member(NamedTuple):
 def group_key(param, slots, momentum, axes) -> tuple:
     """What variables must share to be stepped together: shape, dtype, device, the state's kind."""
     return (
-        tuple(param.shape), param.dtype, param.device, axes, len(slots),
+        tuple(param.shape),
+        param.dtype,
+        param.device,
+        axes,
+        len(slots),
         None if momentum is None else momentum.dtype,
     )
 
@@ -142,9 +163,14 @@ def grouped_step(members, *, learning_rate, step, options, axes, indices=None) -
     grads = _float32(torch.stack([m.grad for m in members]))
     slots = [[m.slots[i] for m in members] for i in range(len(first.slots))]
     result = adafactor_math.preconditioned(
-        grads, params, tuple(torch.stack(s) for s in slots),
-        learning_rate=learning_rate.to(device, torch.float32), step=step.to(torch.float32),
-        options=options, factored_axes=axes, evaluation=GROUP_EVALUATION,
+        grads,
+        params,
+        tuple(torch.stack(s) for s in slots),
+        learning_rate=learning_rate.to(device, torch.float32),
+        step=step.to(torch.float32),
+        options=options,
+        factored_axes=axes,
+        evaluation=GROUP_EVALUATION,
     )
     for targets, value in zip(slots, result.slots):
         torch._foreach_copy_(targets, value.unbind(0))
@@ -159,4 +185,6 @@ def grouped_step(members, *, learning_rate, step, options, axes, indices=None) -
         return
     column = None if indices is None else indices.reshape((-1,) + (1,) * first.param.dim())
     rounding = neutral.variable_rounding(options, step, column, tuple(first.param.shape))
-    torch._foreach_copy_(params, neutral.subtracted(torch.stack(params), deltas, rounding).unbind(0))
+    torch._foreach_copy_(
+        params, neutral.subtracted(torch.stack(params), deltas, rounding).unbind(0)
+    )

@@ -22,14 +22,26 @@ def unique_rows(indices, values, accumulate_duplicates, scratch=None):
     """
     ids, position = torch.unique(indices, return_inverse=True)
     shape = (ids.shape[0],) + tuple(values.shape[1:])
-    out = None if scratch is None else scratch.empty(shape, GRADIENT_SLOT, values.dtype, values.device)
+    out = (
+        None
+        if scratch is None
+        else scratch.empty(shape, GRADIENT_SLOT, values.dtype, values.device)
+    )
     if accumulate_duplicates:
-        rows = torch.zeros(shape, dtype=values.dtype, device=values.device) if out is None else out.zero_()
+        rows = (
+            torch.zeros(shape, dtype=values.dtype, device=values.device)
+            if out is None
+            else out.zero_()
+        )
         rows.index_add_(0, position, values)
     else:
         occurrence = torch.arange(indices.shape[0], device=indices.device)
         last = torch.full_like(ids, -1).scatter_reduce(0, position, occurrence, reduce="amax")
-        rows = torch.index_select(values, 0, last, out=out) if out is not None else values.index_select(0, last)
+        rows = (
+            torch.index_select(values, 0, last, out=out)
+            if out is not None
+            else values.index_select(0, last)
+        )
     return ids, rows
 
 
@@ -54,7 +66,11 @@ def touched_rows(gradient, scratch=None):
     if gradient.dim() == 1:
         return torch.nonzero(gradient).squeeze(1)
     rows = gradient.reshape(gradient.shape[0], -1)
-    norms = None if scratch is None else scratch.empty((rows.shape[0],), NORMS_SLOT, torch.float32, rows.device)
+    norms = (
+        None
+        if scratch is None
+        else scratch.empty((rows.shape[0],), NORMS_SLOT, torch.float32, rows.device)
+    )
     if not scaled_norms_apply(rows.device.type):
         norms = torch.linalg.vector_norm(rows, ord=1, dim=1, dtype=torch.float32, out=norms)
         return torch.nonzero(norms).squeeze(1)
@@ -63,10 +79,18 @@ def touched_rows(gradient, scratch=None):
     step = max(1, _CPU_CHUNK_ELEMENTS // max(1, rows.shape[1]))
     for start in range(0, rows.shape[0], step):
         chunk = rows[start : start + step]
-        scaled = torch.mul(chunk, _UNDERFLOW_SCALE) if scratch is None else torch.mul(
-            chunk, _UNDERFLOW_SCALE, out=scratch.empty(tuple(chunk.shape), SCALED_SLOT, chunk.dtype, chunk.device)
+        scaled = (
+            torch.mul(chunk, _UNDERFLOW_SCALE)
+            if scratch is None
+            else torch.mul(
+                chunk,
+                _UNDERFLOW_SCALE,
+                out=scratch.empty(tuple(chunk.shape), SCALED_SLOT, chunk.dtype, chunk.device),
+            )
         )
-        torch.linalg.vector_norm(scaled, dim=1, dtype=torch.float32, out=norms[start : start + step])
+        torch.linalg.vector_norm(
+            scaled, dim=1, dtype=torch.float32, out=norms[start : start + step]
+        )
     return torch.nonzero(norms).squeeze(1)
 
 
@@ -93,9 +117,19 @@ def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplic
     else:
         ids = touched_rows(gradient, scratch)
         shape = (ids.shape[0],) + tuple(gradient.shape[1:])
-        out = None if scratch is None else scratch.empty(shape, GRADIENT_SLOT, gradient.dtype, gradient.device)
-        grad_rows = torch.index_select(gradient, 0, ids, out=out) if out is not None else gradient.index_select(0, ids)
-    update_in_place(update_rows, ids, grad_rows, [variable.value] + [s.value for s in slots], scratch)
+        out = (
+            None
+            if scratch is None
+            else scratch.empty(shape, GRADIENT_SLOT, gradient.dtype, gradient.device)
+        )
+        grad_rows = (
+            torch.index_select(gradient, 0, ids, out=out)
+            if out is not None
+            else gradient.index_select(0, ids)
+        )
+    update_in_place(
+        update_rows, ids, grad_rows, [variable.value] + [s.value for s in slots], scratch
+    )
 
 
 def masked_row_update(update_rows, gradient, targets):
@@ -134,4 +168,6 @@ def _gather(target, ids, scratch, slot):
     shape = (ids.shape[0],) + tuple(target.shape[1:])
     if scratch is None:
         return target.index_select(0, ids)
-    return torch.index_select(target, 0, ids, out=scratch.empty(shape, slot, target.dtype, target.device))
+    return torch.index_select(
+        target, 0, ids, out=scratch.empty(shape, slot, target.dtype, target.device)
+    )

@@ -22,7 +22,9 @@ class Scratch:
     def __init__(self):
         self._buffers = {}
 
-    def like(self, x: torch.Tensor, slot: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def like(
+        self, x: torch.Tensor, slot: int = 0, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         return self.empty(tuple(x.shape), slot, dtype, x.device)
 
     def empty(self, shape, slot: int, dtype: torch.dtype, device) -> torch.Tensor:
