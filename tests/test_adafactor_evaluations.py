@@ -101,6 +101,9 @@ def _evaluations(shape):
         evaluations["tensorflow_cpu_in_blocks"] = blocks.Blocked(
             shape, tf_adafactor.CPU_EVALUATION, chunk_elements=40
         )
+        evaluations["tensorflow_graph_cpu_in_blocks"] = blocks.Blocked(
+            shape, tf_adafactor.GRAPH_CPU_EVALUATION, chunk_elements=40
+        )
     if BACKEND == "torch":
         from keras_tpu_optim._backend.torch import adafactor as torch_adafactor
 

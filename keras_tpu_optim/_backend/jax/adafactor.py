@@ -17,6 +17,13 @@ from keras_tpu_optim._math import adafactor as adafactor_math
 class CpuEvaluation(adafactor_math.Evaluation):
     """Optimisation barriers between the step's reductions."""
 
+    def square_sums(self, x, axes):
+        # Each sum its own pass over `x`: XLA would fuse sibling reductions into one slower loop.
+        sums = []
+        for index, axis in enumerate(axes):
+            sums += super().square_sums(self.separately(x) if index else x, (axis,))
+        return tuple(sums)
+
     def separately(self, x):
         return jax.lax.optimization_barrier(x)
 

@@ -92,6 +92,33 @@ class CpuEvaluation(adafactor_math.Evaluation):
 CPU_EVALUATION = CpuEvaluation()
 
 
+class GraphCpuEvaluation(CpuEvaluation):
+    """Without XLA, where each op runs as written: a block's column sums as a transposed matrix-vector
+    product (a fold would write its eight squares), and the parameter's sum of squares as a dot
+    product (no `x^2` written)."""
+
+    def square_sums(self, x, axes):
+        if len(x.shape) < 2:
+            return super().square_sums(x, axes)
+        square, sums = None, []
+        for axis in axes:
+            if axis is None:
+                flat = tf.reshape(x, [-1])
+                sums.append(tf.tensordot(flat, flat, 1))
+                continue
+            square = ops.square(x) if square is None else square
+            if axis == len(x.shape) - 2:
+                sums.append(tf.linalg.matvec(square, tf.ones(tf.shape(x)[-2:-1]), transpose_a=True))
+            elif axis == len(x.shape) - 1:
+                sums.append(_last_axis_sum(square, _ones_like_row(x)))
+            else:
+                sums.append(ops.sum(square, axis=axis))
+        return tuple(sums)
+
+
+GRAPH_CPU_EVALUATION = GraphCpuEvaluation()
+
+
 def adafactor_evaluation(platform: str) -> adafactor_math.Evaluation:
     """How a step of a variable on `platform` is evaluated: the CPU forms on CPU, the neutral ones elsewhere."""
     return CPU_EVALUATION if platform == "cpu" else adafactor_math.NEUTRAL
@@ -181,7 +208,9 @@ def assigning_step(
     `evaluation` None: the sums in blocks of `chunk_elements`, each after the previous one's.
     """
     if evaluation is None:
-        evaluation = blocks.Blocked(tuple(variable.shape), CPU_EVALUATION, _after, chunk_elements)
+        evaluation = blocks.Blocked(
+            tuple(variable.shape), GRAPH_CPU_EVALUATION, _after, chunk_elements
+        )
     delta, new_slots, new_momentum = neutral.adafactor_results(
         grad,
         variable.read_value(),
