@@ -16,7 +16,7 @@ peer:
   gradient against `torch.optim.SparseAdam`.
 - Each platform-gated kernel choice on vs off, so that the choice for GPUs is
   a measurement: ours with the CPU forms forced (`[CPU forms]`: JAX's CPU
-  Adafactor reductions, torch's in-place Adafactor kernel, torch's scaled-L2
+  Adafactor evaluation, torch's blocked Adafactor step, torch's scaled-L2
   touched-row search) and with the grouped torch Adafactor step off
   (`[grouped off]`).
 
