@@ -52,8 +52,8 @@ def _float32(x):
 class _Float32Blocks(blocks.Blocked):
     """`blocks.Blocked`, each block read in float32 (a bfloat16 variable is not copied whole)."""
 
-    def square_sums(self, x, axes):
-        return self._blocks(lambda block: self.inner.square_sums(_float32(block), axes), axes, x)
+    def _blocks(self, sums, axes, *operands):
+        return super()._blocks(lambda *parts: sums(*map(_float32, parts)), axes, *operands)
 
 
 # Elements of a block (4 MiB of float32): small enough that the allocator reuses a block's few
