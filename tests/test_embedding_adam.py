@@ -785,8 +785,8 @@ def test_tensorflow_xla_with_indexed_slices(use_gradient_accumulation, ids_dtype
 )
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("rank", [1, 2])
-def test_tensorflow_xla_sums_duplicates_in_the_table_without_copying_it(dtype, rank):
-    """Under XLA duplicate ids are summed in the touched rows of a table (float32 first).
+def test_tensorflow_xla_sums_duplicates_without_copying_a_table(dtype, rank):
+    """Under XLA duplicate ids are grouped by a sort and summed in float32.
 
     Same numbers as the reference, untouched rows bit-for-bit, a non-finite
     row does not leak into the sums, and the compiled step has no copy of a

@@ -1,10 +1,8 @@
-"""Blocks of a variable's leading axis, and buckets of a sparse gradient's length.
+"""Blocks of a variable's leading axis.
 
 A step that processes a variable a block of its leading axis at a time
 never holds an intermediate bigger than a block (eager torch, TF graphs on
-CPU): `Blocked` evaluates Adafactor's sums so. An eager sparse step compiled
-for static shapes (TF's XLA row update, JAX) pads its entries to a bucket, so
-that one compilation serves every length in it.
+CPU): `Blocked` evaluates Adafactor's sums so.
 """
 
 from __future__ import annotations
@@ -33,15 +31,6 @@ def spans(shape, chunk_elements: int = CHUNK_ELEMENTS):
     per_row = max(1, math.prod(shape[1:]))
     step = max(1, chunk_elements // per_row)
     return [(start, min(step, rows - start)) for start in range(0, rows, step)]
-
-
-# The smallest padded length of an eager sparse step: small steps share one compilation.
-MIN_BUCKET = 64
-
-
-def bucket(count: int) -> int:
-    """`count` rounded up to a power of two, at least `MIN_BUCKET`."""
-    return max(MIN_BUCKET, 1 << max(0, count - 1).bit_length())
 
 
 def part(x, span, rows: int):

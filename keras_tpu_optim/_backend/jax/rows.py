@@ -1,8 +1,8 @@
 """JAX: the touched rows of a table, from a dense or a BCOO gradient, under `jax.jit` (static shapes).
 
-A BCOO gradient names its rows: they are sorted, duplicates summed (or the
-last occurrence kept), gathered, updated and scattered back, at the cost of
-the stored entries (`sparse_row_update`), as a `tf.IndexedSlices` on TF.
+A BCOO gradient names its rows: they are grouped, gathered, updated and
+scattered back at the cost of the stored entries (`sparse_row_update`, the
+one of `_backend/rows.py`), as a `tf.IndexedSlices` on TF.
 
 The touched rows of a dense gradient are processed in rounds of a static
 capacity, inside a `lax.while_loop` that runs as many rounds as the step
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import sparse as jax_sparse
 
-from keras_tpu_optim._backend import blocks
+from keras_tpu_optim._backend import rows as sparse_rows
 from keras_tpu_optim._math import embedding_adam as adam_math
 
 _BITS = 32
@@ -120,75 +120,29 @@ def row_entries(gradient):
     return gradient.indices[:, 0], gradient.data
 
 
-def grouped_rows(ids, rows, accumulate_duplicates):
-    """Ids sorted, each carrying its group's row: the sum of its duplicates, or the last occurrence's.
+def _gather(table, ids):
+    # Ids past the end (BCOO's padding) clip to the last row; the scatter drops their results.
+    return table.at[ids].get(mode="clip")
 
-    Static shapes (one entry per stored entry): duplicates carry identical
-    rows, so their updated rows are identical and their scatters agree.
-    """
-    count = ids.shape[0]
-    order = jnp.argsort(ids, stable=True)
-    ids, rows = ids[order], rows[order]
-    starts = jnp.concatenate([jnp.ones((min(count, 1),), bool), ids[1:] != ids[:-1]])
-    group = jnp.cumsum(starts) - 1
-    if accumulate_duplicates:
-        return ids, jax.ops.segment_sum(rows, group, num_segments=count)[group]
-    # The sort is stable: the last of a group is the id's last occurrence.
-    last = jax.ops.segment_max(jnp.arange(count), group, num_segments=count)
-    return ids, rows[last[group]]
+
+def _scatter(table, ids, rows):
+    return table.at[ids].set(rows.astype(table.dtype), mode="drop")
 
 
 def padded_entries(ids, rows, num_rows):
-    """`(ids, rows)` padded to a power-of-two length (at least `blocks.MIN_BUCKET`) with id `num_rows` (past the table:
-    dropped) and zero rows.
-
-    For eager steps: a computation compiled for a bucket of lengths serves
-    every gradient of that bucket, instead of one compilation per length.
-    """
-    count = ids.shape[0]
-    size = blocks.bucket(count)
-    if size == count:
-        return ids, rows
-    ids = jnp.concatenate([ids, jnp.full((size - count,), num_rows, ids.dtype)])
-    rows = jnp.concatenate([rows, jnp.zeros((size - count,) + rows.shape[1:], rows.dtype)])
-    return ids, rows
+    """`sparse_rows.padded` (`num_rows` unused: the padding names rows of the entries)."""
+    return sparse_rows.padded(ids, rows)
 
 
 def sparse_row_update(update_rows, ids, rows, tables, *, accumulate_duplicates):
-    """The tables after updating only the rows `ids` (with gradient rows `rows`, from `row_entries`).
-
-    O(entries x row size), under `jax.jit` too. `tables` are the table's and
-    its slots' values; `update_rows(grad_rows, weight_rows, *slot_rows)`
-    returns the new `(weight_rows, *slot_rows)`. Ids outside the table
-    (BCOO's padding) are dropped. Every entry keeps its place and carries its
-    id's row, so duplicates write identical values.
-    """
-    tables = list(tables)
-    accumulator = _accumulator(tables) if accumulate_duplicates else None
-    if accumulator is None:
-        ids, rows = grouped_rows(ids, rows, accumulate_duplicates)
-        old_rows = [t.at[ids].get(mode="clip") for t in tables]
-    else:
-        # Duplicates summed in the accumulator's touched rows, without sorting the ids:
-        # zeroed (from the old rows, so a non-finite row does not leak in), scatter-added,
-        # gathered back; the update then overwrites those rows.
-        old_rows = [t.at[ids].get(mode="clip") for t in tables]
-        old = old_rows[accumulator]
-        zeros = jnp.where(jnp.isfinite(old), old * 0, jnp.zeros_like(old))
-        summed = tables[accumulator].at[ids].set(zeros, mode="drop")
-        summed = summed.at[ids].add(rows.astype(summed.dtype), mode="drop")
-        tables[accumulator] = summed
-        rows = summed.at[ids].get(mode="clip")
-    new_rows = update_rows(rows, *old_rows)
-    return tuple(
-        table.at[ids].set(new.astype(table.dtype), mode="drop")
-        for table, new in zip(tables, new_rows)
+    """`sparse_rows.sparse_row_update` of JAX arrays: the new tables (in place under `jax.jit` with donated
+    state). Ids outside the table (BCOO's padding) are dropped."""
+    return sparse_rows.sparse_row_update(
+        update_rows,
+        ids,
+        rows,
+        tables,
+        accumulate_duplicates=accumulate_duplicates,
+        gather=_gather,
+        scatter=_scatter,
     )
-
-
-def _accumulator(tables):
-    """The index of a float32 slot table of the table's shape, to sum duplicate rows in, or None."""
-    for i, table in enumerate(tables[1:], start=1):
-        if table.dtype == jnp.float32 and table.shape == tables[0].shape:
-            return i
-    return None

@@ -11,6 +11,7 @@ import types
 
 import tensorflow as tf
 
+from keras_tpu_optim._backend import rows as sparse_rows
 from keras_tpu_optim._backend.tensorflow._compile import (
     compiled_function,
     compiling_helps,
@@ -85,8 +86,8 @@ def window_count(window, number):
 def window_gradient(accumulator, window, number, steps, like, size, *, owner):
     """The rows of the window (`window == number`) of `accumulator / steps`, as an IndexedSlices; those rows zeroed.
 
-    One scan of `window` lists the rows. With `size` None (outside XLA) their
-    count is rounded up to a power of two (`bucket_size`), so that the
+    One scan of `window` lists the rows. With `size` None (outside XLA) the
+    list is padded to a bucket of lengths (`sparse_rows.padded`), so that the
     compiled gather-and-zero here and the compiled row update
     (`rows.compiled_lazy_row_update`) see a handful of sizes rather than one
     per window. Under XLA the list has the static
@@ -127,12 +128,10 @@ def _window_mean(ids, real, steps, targets):
 
 
 def _bucketed_window_rows(window, number):
-    """`(ids, real)`: the window's rows, increasing, after `bucket_size - count` copies of the first."""
-    ids = tf.cast(tf.where(tf.equal(window, number))[:, 0], tf.int32)
-    count = tf.shape(ids)[0]
-    padding = bucket_size(count) - count
-    ids = tf.concat([tf.gather(ids, tf.zeros([padding], tf.int32)), ids], 0)
-    return ids, tf.range(tf.shape(ids)[0]) >= padding
+    """`(ids, real)`: the window's rows, increasing, padded to a bucket of lengths (`sparse_rows.padded`)."""
+    listed = tf.cast(tf.where(tf.equal(window, number))[:, 0], tf.int32)
+    (ids,) = sparse_rows.padded(listed)
+    return ids, tf.range(tf.shape(ids)[0]) >= tf.shape(ids)[0] - tf.shape(listed)[0]
 
 
 def _static_window_rows(window, number, size):
@@ -144,12 +143,3 @@ def _static_window_rows(window, number, size):
     ids = tf.scatter_nd(target[:, None], tf.range(num_rows), [size + 1])[:size]
     real = tf.range(size) < tf.reduce_sum(tf.cast(mask, tf.int32))
     return tf.where(real, ids, num_rows), real
-
-
-def bucket_size(count):
-    """`count` rounded up to a power of two (0 stays 0)."""
-    # Smear the highest bit of count - 1 downwards; 0 gives -1 + 1 = 0.
-    x = tf.cast(count, tf.int32) - 1
-    for shift in (1, 2, 4, 8, 16):
-        x = tf.bitwise.bitwise_or(x, tf.bitwise.right_shift(x, shift))
-    return x + 1

@@ -1,21 +1,18 @@
 """TensorFlow: the touched rows of a table, from `tf.IndexedSlices` or a dense gradient, updated in place.
 
-Two row paths. An `IndexedSlices` takes `sparse_row_update`: duplicates
-summed in the touched rows of a table-shaped target (`_accumulate_and_update`:
-no sort), or, when the last occurrence wins, grouped by a stable sort with
-static shapes (`grouped_rows`). It runs inlined where it is traced into XLA
-(`jit_compile=True`) or inside a `tf.distribute` replica update, and as one
-XLA computation of its own everywhere else (`compiled_lazy_row_update`: what
-`fit` runs on a machine without an accelerator, and eager code), so that it
-is never a chain of single TF kernels. A dense gradient takes its touched
-rows (`touched_rows`).
+An `IndexedSlices` takes `sparse_row_update` (`_backend/rows.py`'s, on
+variables). It runs inlined where it is traced into XLA (`jit_compile=True`)
+or inside a `tf.distribute` replica update, and as one XLA computation of its
+own everywhere else (`compiled_lazy_row_update`: what `fit` runs on a machine
+without an accelerator, and eager code), so that it is never a chain of
+single TF kernels. A dense gradient takes its touched rows (`touched_rows`).
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_tpu_optim._backend import blocks
+from keras_tpu_optim._backend import rows as sparse_rows
 from keras_tpu_optim._backend.tensorflow._compile import (
     compiled_function,
     compiling_helps,
@@ -23,33 +20,6 @@ from keras_tpu_optim._backend.tensorflow._compile import (
 )
 from keras_tpu_optim._backend.tensorflow.gradients import sparse_entries
 from keras_tpu_optim._math import embedding_adam as adam_math
-
-
-def grouped_rows(indices, values, accumulate_duplicates):
-    """Duplicates summed, or the last occurrence kept, with static shapes: every id keeps its place, carrying its group's row.
-
-    Duplicate ids get identical rows, hence identical updated rows: their
-    scatters write the same values, in whatever order.
-    """
-    n = tf.shape(indices)[0]
-    order = tf.argsort(indices, stable=True)
-    ids = tf.gather(indices, order)
-    starts = tf.concat([[True], tf.not_equal(ids[1:], ids[:-1])], 0)[:n]
-    group = tf.cumsum(tf.cast(starts, tf.int32)) - 1
-    # The sort is stable: the last of a group is the id's last occurrence.
-    return ids, group_rows(tf.gather(values, order), group, accumulate_duplicates)
-
-
-def group_rows(values, group, accumulate_duplicates):
-    """Each row replaced by its group's: the group's sum, or its last row.
-
-    `group[i]` in `[0, len(values))` names row i's group; the shape stays static.
-    """
-    n = tf.shape(values)[0]
-    if accumulate_duplicates:
-        return tf.gather(tf.math.unsorted_segment_sum(values, group, n), group)
-    last = tf.math.unsorted_segment_max(tf.range(n), group, n)
-    return tf.gather(values, tf.gather(last, group))
 
 
 def touched_rows(gradient):
@@ -73,68 +43,28 @@ def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplic
 
 
 def sparse_row_update(update_rows, indices, values, targets, accumulate_duplicates):
-    """The rows `indices` of `targets` updated with `values`, duplicates summed or the last occurrence kept."""
-    accumulator = _accumulator(targets, values.dtype) if accumulate_duplicates else None
-    if accumulator is not None:
-        _accumulate_and_update(update_rows, indices, values, targets, accumulator)
-        return
-    ids, grad_rows = grouped_rows(indices, values, accumulate_duplicates)
-    _update_in_place(update_rows, ids, grad_rows, targets)
+    """The rows `indices` of `targets` updated with `values`, in place (`sparse_rows.sparse_row_update`)."""
+    sparse_rows.sparse_row_update(
+        update_rows,
+        indices,
+        values,
+        targets,
+        accumulate_duplicates=accumulate_duplicates,
+        gather=tf.gather,
+        scatter=_scatter,
+    )
 
 
 def _update_in_place(update_rows, ids, grad_rows, targets):
-    """Gather the rows `ids` of `targets`, update them, scatter them back.
-
-    Duplicate ids must carry identical gradient rows: their scatters then
-    write identical values, in whatever order.
-    """
+    """Gather the rows `ids` (distinct) of `targets`, update them, scatter them back."""
     new_rows = update_rows(grad_rows, *(tf.gather(t, ids) for t in targets))
-    _scatter(targets, new_rows, ids)
+    for target, new in zip(targets, new_rows):
+        _scatter(target, ids, new)
 
 
-def _scatter(targets, new_rows, ids):
-    for target, rows in zip(targets, new_rows):
-        target.scatter_update(tf.IndexedSlices(tf.cast(rows, target.dtype), ids))
-
-
-def _accumulator(targets, grad_dtype):
-    """The index of a target that can sum the gradient rows in place: float32 first, else the gradient's dtype.
-
-    Only targets of the table's shape qualify (a rowwise second moment or a
-    row step counter has one entry per row).
-    """
-    for dtype in (tf.float32, grad_dtype):
-        for i, target in enumerate(targets):
-            if target.dtype == dtype and target.shape == targets[0].shape:
-                return i
-    return None
-
-
-def _accumulate_and_update(update_rows, indices, values, targets, i):
-    """The lazy update under XLA, duplicates summed in the touched rows of `targets[i]`.
-
-    No sort, no table-sized temporary: the old rows of every target are
-    gathered; the accumulator's touched rows are zeroed and the gradient rows
-    scatter-added into them (XLA's scatter adds duplicates); gathering them
-    back gives every id its group's sum; the update then overwrites those
-    rows with their new values. Duplicates carry identical rows, so their
-    scatters write identical values.
-    """
-    old_rows = [tf.gather(t, indices) for t in targets]
-    accumulator, old = targets[i], old_rows[i]
-    # Zeros computed from the old rows and from the gradient rows (0 for non-finite ones too): with
-    # a constant, XLA cannot see that the reads of the table come first (this gather, and a lookup
-    # whose backward pass this is: `layers.Embedding`) and copies the whole table to keep them.
-    zeros = _zeros_after(old) + tf.cast(_zeros_after(values), old.dtype)
-    accumulator.scatter_update(tf.IndexedSlices(zeros, indices))
-    accumulator.scatter_add(tf.IndexedSlices(tf.cast(values, accumulator.dtype), indices))
-    grad_rows = tf.gather(accumulator, indices)
-    _scatter(targets, update_rows(grad_rows, *old_rows), indices)
-
-
-def _zeros_after(x):
-    """Zeros of `x`'s shape that XLA computes from `x` (so after it): 0 where `x` is finite, 0 elsewhere."""
-    return tf.where(tf.math.is_finite(x), x * 0, tf.zeros_like(x))
+def _scatter(target, ids, rows):
+    target.scatter_update(tf.IndexedSlices(tf.cast(rows, target.dtype), ids))
+    return target
 
 
 def compiled_update_applies(gradient) -> bool:
@@ -158,11 +88,10 @@ def compiled_lazy_row_update(
 
     Without XLA every op of the row update is its own kernel. The shapes are
     those of the gradient (one compilation per batch size); eagerly, where
-    sizes vary from call to call, the entries are padded to a power-of-two
-    count of at least `blocks.MIN_BUCKET` (padding names row `rows`, past the
-    end: XLA drops its scatters, and its clipped gathers feed only those), so
-    that a compilation serves a bucket of sizes. The ids are checked first:
-    XLA would clip an out-of-range id silently.
+    sizes vary from call to call, the entries are padded to a bucket of
+    lengths (`sparse_rows.padded`), so that a compilation serves every length
+    in it. The ids are checked first: XLA would clip an out-of-range id
+    silently.
 
     `row_function(grad, weight, *slots, *, learning_rate, options,
     ema_step)` is the row update; the options' numbers are arguments of the
@@ -180,21 +109,10 @@ def compiled_lazy_row_update(
     indices, values = sparse_entries(gradient)
     indices = _checked_indices(indices, tf.shape(targets[0], out_type=indices.dtype)[0], variable)
     if tf.executing_eagerly():
-        indices, values = _padded(indices, values, tf.shape(targets[0], out_type=indices.dtype)[0])
+        indices, values = sparse_rows.padded(indices, values)
     ema_step = None if ema_step is None else tf.convert_to_tensor(ema_step)
     option_values = {name: tf.constant(value, tf.float32) for name, value in option_values.items()}
     update(indices, values, tf.convert_to_tensor(learning_rate), targets, ema_step, option_values)
-
-
-def _padded(indices, values, num_rows):
-    """The entries padded to a power-of-two count (at least `blocks.MIN_BUCKET`): id `num_rows`, zero values."""
-    count = int(indices.shape[0])
-    padding = blocks.bucket(count) - count
-    if not padding:
-        return indices, values
-    indices = tf.concat([indices, tf.fill([padding], num_rows)], 0)
-    values = tf.concat([values, tf.zeros([padding] + values.shape[1:].as_list(), values.dtype)], 0)
-    return indices, values
 
 
 def _checked_indices(indices, num_rows, variable):
