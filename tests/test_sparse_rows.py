@@ -20,18 +20,27 @@ def reference_groups(ids, values, accumulate_duplicates):
     return groups
 
 
+@pytest.mark.parametrize("numbering", ["sort", "first occurrence"])
 @pytest.mark.parametrize("accumulate_duplicates", [True, False])
 @pytest.mark.parametrize("ids", [IDS, [3, 3, 3], [5], []])
-def test_grouped_rows_lists_each_id_once_then_repeats_the_last(ids, accumulate_duplicates):
+def test_grouped_rows_lists_each_id_once_then_repeats_the_last(
+    ids, accumulate_duplicates, numbering
+):
+    """By a sort (ids increasing) or by given numbers (tf.unique's: first occurrence first)."""
     values = np.arange(len(ids) * 2, dtype=np.float32).reshape(len(ids), 2) + 1
+    group = None
+    if numbering == "first occurrence":
+        first = list(dict.fromkeys(ids))
+        group = ops.convert_to_tensor(np.asarray([first.index(i) for i in ids], np.int32))
     grouped_ids, grouped = sparse_rows.grouped_rows(
         ops.convert_to_tensor(np.asarray(ids, np.int32).reshape(-1)),
         ops.convert_to_tensor(values.reshape(-1, 2)),
         accumulate_duplicates,
+        group,
     )
     grouped_ids, grouped = ops.convert_to_numpy(grouped_ids), ops.convert_to_numpy(grouped)
     expected = reference_groups(ids, values, accumulate_duplicates)
-    distinct = sorted(expected)
+    distinct = sorted(expected) if numbering == "sort" else list(expected)
     assert list(grouped_ids) == distinct + distinct[-1:] * (len(ids) - len(distinct))
     for i, row in zip(grouped_ids, grouped):
         np.testing.assert_array_equal(row, expected[i])

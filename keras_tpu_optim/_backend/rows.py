@@ -1,8 +1,9 @@
 """EmbeddingAdam's sparse row update and its helpers, in `keras.ops`: one rule each, for every backend.
 
 A sparse gradient's entries name rows, perhaps several times. They are
-grouped by a sort (`grouped_rows`): each distinct id once, with the sum of its
-rows (in float32) or its last occurrence's, so that each touched row of the
+grouped (`grouped_rows`: by a sort, or by numbers a backend computes more
+cheaply, TF's `tf.unique` outside XLA): each distinct id once, with the sum
+of its rows (in float32) or its last occurrence's, so that each touched row of the
 table and its slots is read and written once (`sparse_row_update`). An eager
 step compiled for static shapes pads its entries to a bucket of lengths
 (`bucket`, `padded`), so that one compilation serves every length in it.
@@ -49,38 +50,47 @@ def padded(ids, *rows):
     return (ids, *rows)
 
 
-def grouped_rows(ids, rows, accumulate_duplicates):
+def grouped_rows(ids, rows, accumulate_duplicates, group=None):
     """The distinct ids, each with its group's row (the sum of its duplicates, or the last occurrence's).
 
-    Static shapes (as many entries as given): the distinct ids come first,
-    sorted; the remaining entries repeat the last of them with its row, so
-    their scatters agree with it, and a table row is read and written once
-    per distinct id (the repeated row stays in cache). The last occurrence is
-    found by position, whatever order the sort leaves equal ids in.
+    `group` numbers each entry's id from 0 (as `tf.unique`'s hash does,
+    outside XLA, where it is cheaper than a sort); by default the ids' rank
+    among the distinct ids, by a sort. Static shapes (as many entries as
+    given): the distinct ids come first, in the order of their numbers; the
+    remaining entries repeat the last of them with its row, so their
+    scatters agree with it, and a table row is read and written once per
+    distinct id (the repeated row stays in cache).
     """
     count = ops.shape(ids)[0]
     if isinstance(count, int) and count == 0:
         return ids, rows
-    order = ops.argsort(ids)
+    if group is None:
+        group = _sorted_groups(ids, count)
+    # Entry i carries group min(i, groups - 1): every group once, then the last one repeated.
+    slot = ops.minimum(ops.arange(count, dtype="int32"), ops.max(group))
+    distinct = ops.take(ops.segment_max(ids, group, num_segments=count), slot, axis=0)
+    if accumulate_duplicates:
+        # Summed in float32, the row update's precision, whatever the gradient's dtype.
+        sums = ops.segment_sum(ops.cast(rows, "float32"), group, num_segments=count)
+        return distinct, ops.take(sums, slot, axis=0)
+    last = ops.segment_max(ops.arange(count, dtype="int32"), group, num_segments=count)
+    return distinct, ops.take(rows, ops.take(last, slot, axis=0), axis=0)
+
+
+def _sorted_groups(ids, count):
+    """Each entry's id's rank among the distinct ids (int32), by a sort."""
+    order = ops.cast(ops.argsort(ids), "int32")
     sorted_ids = ops.take(ids, order, axis=0)
     starts = ops.concatenate(
         [ops.ones_like(sorted_ids[:1], "bool"), ops.not_equal(sorted_ids[1:], sorted_ids[:-1])]
     )
-    group = ops.cumsum(ops.cast(starts, "int32")) - 1
-    # Entry i carries group min(i, groups - 1): every group once, then the last one repeated.
-    groups = ops.sum(ops.cast(starts, "int32"))
-    slot = ops.minimum(ops.arange(count, dtype="int32"), groups - 1)
-    distinct = ops.take(ops.segment_max(sorted_ids, group, num_segments=count), slot, axis=0)
-    if accumulate_duplicates:
-        # Summed in float32, the row update's precision, whatever the gradient's dtype.
-        rows = ops.cast(ops.take(rows, order, axis=0), "float32")
-        sums = ops.segment_sum(rows, group, num_segments=count)
-        return distinct, ops.take(sums, slot, axis=0)
-    last = ops.segment_max(ops.cast(order, "int32"), group, num_segments=count)
-    return distinct, ops.take(rows, ops.take(last, slot, axis=0), axis=0)
+    ranks = ops.cumsum(ops.cast(starts, "int32")) - 1
+    return ops.scatter(ops.expand_dims(order, 1), ranks, (count,))
 
 
-def sparse_row_update(update_rows, ids, rows, tables, *, accumulate_duplicates, gather, scatter):
+def sparse_row_update(
+    update_rows, ids, rows, tables, *, accumulate_duplicates, gather, scatter, group=None
+):
     """The tables after updating only the rows `ids`, with gradient rows `rows` (one per id).
 
     `tables` are the table and its slots; `update_rows(grad_rows,
@@ -88,8 +98,9 @@ def sparse_row_update(update_rows, ids, rows, tables, *, accumulate_duplicates, 
     summed (`accumulate_duplicates`) or the last occurrence wins
     (`grouped_rows`). A backend passes how it reads and writes rows:
     `gather(table, ids)`, and `scatter(table, ids, rows) -> table` (rows cast
-    to the table's dtype; TF's variables in place, JAX's arrays functionally).
+    to the table's dtype; TF's variables in place, JAX's arrays functionally),
+    and may pass the ids' `group` numbers (`grouped_rows`).
     """
-    ids, rows = grouped_rows(ids, rows, accumulate_duplicates)
+    ids, rows = grouped_rows(ids, rows, accumulate_duplicates, group)
     new_rows = update_rows(rows, *(gather(t, ids) for t in tables))
     return tuple(scatter(t, ids, new) for t, new in zip(tables, new_rows))

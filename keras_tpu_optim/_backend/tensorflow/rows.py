@@ -42,7 +42,7 @@ def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplic
     _update_in_place(update_rows, ids, tf.gather(gradient, ids), targets)
 
 
-def sparse_row_update(update_rows, indices, values, targets, accumulate_duplicates):
+def sparse_row_update(update_rows, indices, values, targets, accumulate_duplicates, group=None):
     """The rows `indices` of `targets` updated with `values`, in place (`sparse_rows.sparse_row_update`)."""
     sparse_rows.sparse_row_update(
         update_rows,
@@ -52,6 +52,7 @@ def sparse_row_update(update_rows, indices, values, targets, accumulate_duplicat
         accumulate_duplicates=accumulate_duplicates,
         gather=tf.gather,
         scatter=_scatter,
+        group=group,
     )
 
 
@@ -110,9 +111,19 @@ def compiled_lazy_row_update(
     indices = _checked_indices(indices, tf.shape(targets[0], out_type=indices.dtype)[0], variable)
     if tf.executing_eagerly():
         indices, values = sparse_rows.padded(indices, values)
+    # The ids numbered by TF's hash, outside XLA: a fraction of the cost of XLA's sort.
+    _, group = tf.unique(indices)
     ema_step = None if ema_step is None else tf.convert_to_tensor(ema_step)
     option_values = {name: tf.constant(value, tf.float32) for name, value in option_values.items()}
-    update(indices, values, tf.convert_to_tensor(learning_rate), targets, ema_step, option_values)
+    update(
+        indices,
+        group,
+        values,
+        tf.convert_to_tensor(learning_rate),
+        targets,
+        ema_step,
+        option_values,
+    )
 
 
 def _checked_indices(indices, num_rows, variable):
@@ -134,7 +145,7 @@ def _checked_indices(indices, num_rows, variable):
 
 
 def _compilable_update(row_function, structure, accumulate_duplicates):
-    def update(indices, values, learning_rate, targets, ema_step, option_values):
+    def update(indices, group, values, learning_rate, targets, ema_step, option_values):
         options = adam_math.joined_options(structure, option_values)
 
         def update_rows(*rows):
@@ -142,6 +153,6 @@ def _compilable_update(row_function, structure, accumulate_duplicates):
                 *rows, learning_rate=learning_rate, options=options, ema_step=ema_step
             )
 
-        sparse_row_update(update_rows, indices, values, targets, accumulate_duplicates)
+        sparse_row_update(update_rows, indices, values, targets, accumulate_duplicates, group)
 
     return update
