@@ -10,6 +10,7 @@ from jax.experimental import sparse as jax_sparse
 
 from keras_tpu_optim import _private
 from keras_tpu_optim._backend import neutral
+from keras_tpu_optim._backend import rows as sparse_rows
 from keras_tpu_optim._backend.jax import rows
 from keras_tpu_optim._math import adafactor as adafactor_math
 from keras_tpu_optim._math import embedding_adam as adam_math
@@ -135,7 +136,7 @@ def embedding_adam_step(optimizer, gradient, variable, learning_rate):
         path = ("sparse", optimizer.use_gradient_accumulation)
         entries = rows.row_entries(gradient)
         if concrete(entries[0]):
-            entries = rows.padded_entries(*entries, num_rows)
+            entries = sparse_rows.padded(*entries)
     else:
         path = (
             "dense",

@@ -129,11 +129,6 @@ def _scatter(table, ids, rows):
     return table.at[ids].set(rows.astype(table.dtype), mode="drop")
 
 
-def padded_entries(ids, rows, num_rows):
-    """`sparse_rows.padded` (`num_rows` unused: the padding names rows of the entries)."""
-    return sparse_rows.padded(ids, rows)
-
-
 def sparse_row_update(update_rows, ids, rows, tables, *, accumulate_duplicates):
     """`sparse_rows.sparse_row_update` of JAX arrays: the new tables (in place under `jax.jit` with donated
     state). Ids outside the table (BCOO's padding) are dropped."""
