@@ -12,7 +12,8 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_tpu_optim import _backend, _checks, _private, _saving, _slots
+from keras_tpu_optim import _accumulation, _backend, _checks, _private, _saving, _slots
+from keras_tpu_optim._backend import backend
 
 
 class VariableState(NamedTuple):
@@ -52,6 +53,7 @@ class OptimizerBase(keras.optimizers.Optimizer):
     _HYPERPARAMETERS: frozenset = frozenset()
 
     def __init__(self, skip_nonfinite_updates=False, **kwargs):
+        _backend.get()  # A backend we do not support: refused here.
         _checks.check_base_arguments(**kwargs)
         _checks.check_layout_map(type(self), kwargs.get("name"))
         super().__init__(**kwargs)
@@ -87,11 +89,6 @@ class OptimizerBase(keras.optimizers.Optimizer):
         """Whether setting hyperparameter `name` to `value` would change the optimizer's state (its slots)."""
         return False
 
-    @property
-    def _backend(self):
-        """The active backend's kernels (`keras_tpu_optim._backend`), resolved once per process."""
-        return _backend.get()
-
     # ---------------------------------------------------------------- build
 
     def build(self, var_list):
@@ -105,7 +102,7 @@ class OptimizerBase(keras.optimizers.Optimizer):
                     f"{type(self).__name__} can only optimize floating-point variables; "
                     f"variable '{_slots.variable_path(variable)}' has dtype {dtype}."
                 )
-        with self._backend.state_creation_scope():
+        with backend.state_creation_scope():
             self._build_state(var_list)
 
     def _build_state(self, var_list):
@@ -117,7 +114,7 @@ class OptimizerBase(keras.optimizers.Optimizer):
             _checks.check_slot_layouts(type(self), planned)
         super().build(var_list)
         _slots.record_keras_roles(self)
-        self._platforms = [self._backend.platform_of(v) for v in var_list]
+        self._platforms = [backend.platform_of(v) for v in var_list]
         self._states = [
             None if _private.overwritten_with_gradient(self, v) else self._make_state(v)
             for v in var_list
@@ -135,6 +132,11 @@ class OptimizerBase(keras.optimizers.Optimizer):
 
     def _state_of(self, variable) -> VariableState:
         return self._states[_private.variable_index(self, variable)]
+
+    def _accumulation_window(self, variable):
+        """The `window` slot of `variable` (`_accumulates_rows`), or None."""
+        state = self._state_of(variable)
+        return None if state is None else state.window
 
     def _platform_of(self, variable) -> str:
         """Where `variable` lives (`"cpu"`, `"gpu"`, `"tpu"`, ...), which picks its kernels."""
@@ -161,7 +163,7 @@ class OptimizerBase(keras.optimizers.Optimizer):
             grads = [
                 None
                 if g is None
-                else self._backend.checked_gradient(g, v, functools.partial(self._mismatch, v))
+                else backend.checked_gradient(g, v, functools.partial(self._mismatch, v))
                 for g, v in zip(grads, variables)
             ]
         self._check_learning_rate_is_scalar()
@@ -169,8 +171,7 @@ class OptimizerBase(keras.optimizers.Optimizer):
             # Keras unscales with `g / scale`, which tf.IndexedSlices does not
             # support; unscale here, sparse gradients included, instead.
             grads = [
-                None if g is None else self._backend.unscale(g, self.loss_scale_factor)
-                for g in grads
+                None if g is None else backend.unscale(g, self.loss_scale_factor) for g in grads
             ]
             loss_scale_factor, self.loss_scale_factor = self.loss_scale_factor, None
             try:
@@ -195,7 +196,7 @@ class OptimizerBase(keras.optimizers.Optimizer):
             self.built = True
         finite = self._all_finite(grads)
         state = _private.trainable_variables(self) + list(self.variables)
-        self._backend.apply_if(
+        backend.apply_if(
             finite, lambda: super(OptimizerBase, self).apply(grads, trainable_variables), state
         )
         return None
@@ -206,16 +207,15 @@ class OptimizerBase(keras.optimizers.Optimizer):
         return False
 
     def _backend_apply_gradients(self, grads, trainable_variables):
-        # Keras's hook (_private.ACCUMULATION_HOOK): the accumulate-or-update step and the EMA.
-        self._backend.apply_gradients(
+        # Keras's hook (_private.ACCUMULATION_HOOK). Replaced only under `gradient_accumulation_steps`, where
+        # Keras's would accumulate sparse rows densely or compile both branches eagerly (`_accumulation`).
+        _accumulation.apply_gradients(
             self, grads, trainable_variables, super()._backend_apply_gradients
         )
 
     def _all_finite(self, grads):
         """A scalar boolean tensor: every entry of every gradient is finite."""
-        checks = [
-            ops.all(ops.isfinite(self._backend.gradient_values(g))) for g in grads if g is not None
-        ]
+        checks = [ops.all(ops.isfinite(backend.gradient_values(g))) for g in grads if g is not None]
         if not checks:
             return ops.convert_to_tensor(True)
         return ops.all(ops.stack(checks))

@@ -7,6 +7,7 @@ import dataclasses
 import keras
 
 from keras_tpu_optim import _private, _slots
+from keras_tpu_optim._backend import backend
 from keras_tpu_optim._base import OptimizerBase, VariableState
 from keras_tpu_optim._math.adafactor import AdafactorOptions
 
@@ -230,12 +231,33 @@ class Adafactor(OptimizerBase):
 
     def update_step(self, gradient, variable, learning_rate):
         """Update step given gradient and the associated model variable."""
-        self._backend.adafactor_step(self, gradient, variable, learning_rate)
+        index = _private.variable_index(self, variable)
+        backend.adafactor_step(
+            gradient,
+            variable,
+            self._states[index],
+            learning_rate=learning_rate,
+            step=self.iterations + 1,
+            options=self._options,
+            variable_index=index,
+            platform=self._platforms[index],
+            owner=self,
+        )
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         # Keras's loop over `update_step`, which a backend may run for groups of variables at once.
-        self._backend.adafactor_steps(
-            self, grads, trainable_variables, learning_rate, super()._backend_update_step
+        indices = [_private.variable_index(self, v) for v in trainable_variables]
+        backend.adafactor_steps(
+            grads,
+            trainable_variables,
+            [self._states[i] for i in indices],
+            indices=indices,
+            platforms=[self._platforms[i] for i in indices],
+            learning_rate=learning_rate,
+            step=self.iterations + 1,
+            options=self._options,
+            owner=self,
+            keras_steps=super()._backend_update_step,
         )
 
     def get_config(self):

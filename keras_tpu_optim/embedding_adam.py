@@ -6,6 +6,7 @@ import keras
 from keras import ops
 
 from keras_tpu_optim import _checks, _private, _slots
+from keras_tpu_optim._backend import backend
 from keras_tpu_optim._base import OptimizerBase, VariableState
 from keras_tpu_optim._math import embedding_adam as adam_math
 
@@ -394,11 +395,6 @@ class EmbeddingAdam(OptimizerBase):
         """
         return bool(self.lazy_adam and self.gradient_accumulation_steps)
 
-    def _accumulation_window(self, variable):
-        """The `accumulation_window` slot of `variable`, or None (see `_accumulates_rows`)."""
-        state = self._state_of(variable)
-        return None if state is None else state.window
-
     # ---------------------------------------------------------------- lazy EMA
 
     @property
@@ -460,7 +456,7 @@ class EmbeddingAdam(OptimizerBase):
             if condition is None:
                 new_average, new_steps = caught_up()
             else:
-                new_average, new_steps = self._backend.cond(
+                new_average, new_steps = backend.cond(
                     condition, caught_up, lambda a=average, s=steps: (a.value, s.value)
                 )
             average.assign(new_average)
@@ -617,7 +613,21 @@ class EmbeddingAdam(OptimizerBase):
 
     def update_step(self, gradient, variable, learning_rate):
         """Update the rows of `variable` present in `gradient` (all rows if not lazy)."""
-        self._backend.embedding_adam_step(self, gradient, variable, learning_rate)
+        update_rows = adam_math.RowUpdate(
+            self._row_learning_rate(learning_rate),
+            self._row_update_options(variable),
+            self._ema_step(),
+        )
+        backend.embedding_adam_step(
+            gradient,
+            variable,
+            self._row_slots(variable),
+            update_rows,
+            lazy=self.lazy_adam,
+            accumulate_duplicates=self.use_gradient_accumulation,
+            max_touched_rows=self.max_touched_rows,
+            owner=self,
+        )
 
     def get_config(self):
         config = super().get_config()

@@ -16,7 +16,7 @@ import pytest
 from keras import ops
 
 from keras_tpu_optim import _backend
-from keras_tpu_optim._backend import blocks, neutral
+from keras_tpu_optim._backend import blocks
 from keras_tpu_optim._math import adafactor as adafactor_math
 
 BACKEND = keras.backend.backend()
@@ -161,7 +161,7 @@ def _neutral_variable(param, grads, options, dtype, variable_index):
     )
     for t, grad in enumerate(grads):
         step = ops.convert_to_tensor(t + 1)
-        delta, slots, new_momentum = neutral.adafactor_results(
+        delta, slots, new_momentum = adafactor_math.float32_update(
             ops.cast(ops.convert_to_tensor(grad), dtype),
             value,
             slots,
@@ -172,8 +172,8 @@ def _neutral_variable(param, grads, options, dtype, variable_index):
             evaluation=adafactor_math.NEUTRAL,
         )
         momentum = None if momentum is None else ops.cast(new_momentum, options.momentum_dtype)
-        value = neutral.subtracted(
-            value, delta, neutral.variable_rounding(options, step, variable_index, shape)
+        value = adafactor_math.subtracted(
+            value, delta, adafactor_math.rounding(options, step, variable_index, shape)
         )
     return ops.convert_to_numpy(ops.cast(value, "float32"))
 

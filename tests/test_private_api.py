@@ -242,7 +242,7 @@ def test_accumulation_hook_exists_and_apply_calls_it(monkeypatch):
 
 
 def test_keras_step_parts_the_accumulation_calls():
-    """The parts of Keras's step `_backend.neutral.accumulated_apply` runs: clip, decay, update loop, EMA hooks."""
+    """The parts of Keras's step `keras_tpu_optim._accumulation` runs: clip, decay, update loop, EMA hooks."""
     variable = keras.Variable(np.ones((3, 2), np.float32))
     optimizer = built(
         kto.EmbeddingAdam(0.1, clipnorm=1.0, use_ema=True, ema_overwrite_frequency=1), [variable]

@@ -316,7 +316,7 @@ def test_no_host_device_synchronisation(monkeypatch):
     steps = [torch.tensor(g) for g in grads[1]]
     with monkeypatch.context() as patch:
         patch.setattr(neutral, "adafactor_step", None)  # the grouped step alone
-        torch_backend.adafactor_steps(optimizer, steps, variables, optimizer.learning_rate, None)
+        optimizer._backend_update_step(steps, variables, optimizer.learning_rate)
     assert sum(counts.values()) == 0, {k: v for k, v in counts.items() if v}
 
 

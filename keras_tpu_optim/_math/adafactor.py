@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from typing import NamedTuple, Optional
 
+import keras
 from keras import ops
 
 from keras_tpu_optim import _checks
@@ -333,3 +335,47 @@ def adafactor_update(
     )
     delta, momentum = update(grad, result.factors, momentum, options)
     return delta, result.slots, momentum
+
+
+def float32_update(
+    grad, param, slots, momentum, *, learning_rate, step, options, evaluation=NEUTRAL
+):
+    """`adafactor_update` of a variable of any dtype: read in float32, factored as its shape says."""
+    return adafactor_update(
+        ops.cast(grad, "float32"),
+        ops.cast(param, "float32"),
+        tuple(slots),
+        momentum,
+        learning_rate=ops.cast(learning_rate, "float32"),
+        step=ops.cast(step, "float32"),
+        options=options,
+        factored_axes=options.factored_axes(param.shape),
+        evaluation=evaluation,
+    )
+
+
+def rounding(options: AdafactorOptions, step, variable_index, shape, offset=0):
+    """How a float32 result is cast to a variable's dtype: `ops.cast`, or stochastic rounding.
+
+    The rounding's random bits are keyed by the seed, `step` (`iterations + 1`)
+    and the variable's index in the optimizer; `shape` is the variable's
+    static shape (None: the result's) and `offset` the element index of the
+    result's first element when it is a block of the variable.
+    """
+    if not options.stochastic_rounding:
+        return ops.cast
+    return functools.partial(
+        stochastic_rounding.stochastic_round,
+        seed=options.seed,
+        step=step,
+        variable_index=variable_index,
+        shape=None if shape is None else tuple(shape),
+        offset=offset,
+    )
+
+
+def subtracted(value, delta, round_to=ops.cast):
+    """`value - delta` in `value`'s dtype: in float32, rounded once by `round_to(x, dtype)` for other dtypes."""
+    if keras.backend.standardize_dtype(value.dtype) == "float32":
+        return value - delta
+    return round_to(ops.cast(value, "float32") - delta, value.dtype)

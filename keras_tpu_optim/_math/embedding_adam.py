@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Any, Optional
 
 from keras import ops
 
@@ -241,3 +241,59 @@ def touched_row_mask(gradient):
 def mark_touched(gradient, window, number):
     """An `accumulation_window` slot after a dense gradient: its touched rows get the window's `number`."""
     return ops.where(touched_row_mask(gradient), ops.cast(number, window.dtype), window)
+
+
+def update_rows_in_float32(
+    grad, weight, momenta, velocities, *extra_slots, learning_rate, options, ema_step=None
+):
+    """`row_update` on rows of any dtype: computed in float32, cast back.
+
+    The slot rows are `options.slot_names`' (`momenta`, `velocities`, then
+    `row_steps` with per-row bias correction, kept as integers; then
+    `average_steps` and `average` with a lazy EMA, updated as Keras's EMA
+    update number `ema_step`).
+    """
+    adam_extra = extra_slots[: len(options.adam_slot_names) - 2]
+    new_values = row_update(
+        ops.cast(grad, "float32"),
+        ops.cast(weight, "float32"),
+        ops.cast(momenta, "float32"),
+        ops.cast(velocities, "float32"),
+        learning_rate,
+        options,
+        *adam_extra,
+    )
+    old = (weight, momenta, velocities, *adam_extra)
+    new_values = tuple(ops.cast(new, before.dtype) for new, before in zip(new_values, old))
+    if options.ema_momentum is None:
+        return new_values
+    average_steps, average = extra_slots[len(adam_extra) :]
+    new_average, new_steps = ema_rows(
+        ops.cast(weight, "float32"),
+        ops.cast(new_values[0], "float32"),  # the stored new weights, as Keras's EMA reads them
+        ops.cast(average, "float32"),
+        average_steps,
+        ema_step,
+        options,
+    )
+    return new_values + (new_steps, ops.cast(new_average, average.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class RowUpdate:
+    """One step's row update: `RowUpdate(...)(grad, weight, *slots)` is `update_rows_in_float32` with these
+    arguments, which a backend compiling the update itself reads instead."""
+
+    learning_rate: Any
+    options: RowUpdateOptions
+    ema_step: Any = None
+
+    def __call__(self, grad, weight, *slots):
+        return update_rows_in_float32(
+            grad,
+            weight,
+            *slots,
+            learning_rate=self.learning_rate,
+            options=self.options,
+            ema_step=self.ema_step,
+        )

@@ -7,7 +7,8 @@ import sys
 import keras
 from keras import ops
 
-from keras_tpu_optim import _backend, _private
+from keras_tpu_optim import _private
+from keras_tpu_optim._backend import backend
 from keras_tpu_optim._math import embedding_adam as adam_math
 from keras_tpu_optim.embedding_adam import EmbeddingAdam
 
@@ -229,7 +230,7 @@ class Embedding(keras.layers.Embedding):
         return (self._embeddings,) + slots
 
     def _row_update_arguments(self, step):
-        """`(learning_rate, options)` of the row update after `step` updates (`neutral.update_rows_in_float32`)."""
+        """`(learning_rate, options)` of the row update after `step` updates (`adam_math.update_rows_in_float32`)."""
         optimizer = self._table_optimizer
         _check_optimizer(optimizer)  # Hyperparameters may have been set since the layer was built.
         for name, built_with in (
@@ -256,7 +257,7 @@ class Embedding(keras.layers.Embedding):
         self._check_one_lookup_per_step()
         _check_model_optimizer(self.name)
         optimizer = self._table_optimizer
-        outputs = _backend.get().trained_lookup(
+        outputs = backend.trained_lookup(
             inputs,
             self._row_state(),
             self.iterations,
@@ -274,7 +275,7 @@ class Embedding(keras.layers.Embedding):
         `iterations`, which is the same within one trace; torch checks in the lookup's backward pass
         (`_backend/torch`); eager TF does not.
         """
-        trace = _backend.get().lookup_trace(self.iterations)
+        trace = backend.lookup_trace(self.iterations)
         if trace is not None and trace is self._last_lookup_trace:
             raise ValueError(
                 f"keras_tpu_optim.layers.Embedding '{self.name}' with `optimizer` is called twice in one training "

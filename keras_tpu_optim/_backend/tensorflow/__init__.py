@@ -18,8 +18,10 @@ from keras_tpu_optim._backend.tensorflow.gradients import (
     unscale,
 )
 from keras_tpu_optim._backend.tensorflow.adafactor import adafactor_evaluation, adafactor_step
+from keras_tpu_optim._math import embedding_adam as adam_math
 
 cond = neutral.cond
+eager_branches = neutral.eager_branches
 adafactor_steps = neutral.adafactor_steps  # one variable at a time: XLA fuses each step
 apply_if = neutral.apply_if  # tf.cond runs only the branch taken: sparse updates stay sparse.
 
@@ -64,41 +66,34 @@ def platform_of(variable) -> str:
     return "cpu"
 
 
-def embedding_adam_step(optimizer, gradient, variable, learning_rate):
-    accumulate = optimizer.use_gradient_accumulation
-    if (
-        optimizer.lazy_adam
-        and not _private.in_stateless_scope()
-        and rows.compiled_update_applies(gradient)
-    ):
+def embedding_adam_step(
+    gradient, variable, slots, update_rows, *, lazy, accumulate_duplicates, max_touched_rows, owner
+):
+    if lazy and not _private.in_stateless_scope() and rows.compiled_update_applies(gradient):
         rows.compiled_lazy_row_update(
-            optimizer,
-            neutral.update_rows_in_float32,
-            optimizer._row_update_options(variable),
-            optimizer._row_learning_rate(learning_rate),
+            owner,
+            update_rows,
             gradient,
             variable,
-            optimizer._row_slots(variable),
-            accumulate_duplicates=accumulate,
-            ema_step=optimizer._ema_step(),
+            slots,
+            accumulate_duplicates=accumulate_duplicates,
         )
         return
     neutral.embedding_adam_step(
-        optimizer,
         gradient,
         variable,
-        learning_rate,
-        lazy_row_update=functools.partial(rows.lazy_row_update, accumulate_duplicates=accumulate),
+        slots,
+        update_rows,
+        lazy=lazy,
+        lazy_row_update=functools.partial(
+            rows.lazy_row_update, accumulate_duplicates=accumulate_duplicates
+        ),
         densify=densify,
     )
 
 
-def apply_gradients(optimizer, grads, variables, keras_apply):
-    """Keras's step (`keras_apply`), or with `_accumulates_rows` the same step with sparse rows accumulated in place."""
-    if not optimizer._accumulates_rows:
-        keras_apply(grads, variables)
-        return
-    neutral.accumulated_apply(optimizer, grads, variables, rows=accumulation.for_owner(optimizer))
+def accumulation_rows(owner):
+    return accumulation.for_owner(owner)
 
 
 def trained_lookup(
@@ -147,10 +142,7 @@ def _update_looked_up_rows(
     values = tf.reshape(
         row_gradients, tf.concat([tf.shape(flat_ids), tf.shape(table.value)[1:]], 0)
     )
-    learning_rate, options = row_update_arguments(step)
-    update_rows = functools.partial(
-        neutral.update_rows_in_float32, learning_rate=learning_rate, options=options
-    )
+    update_rows = adam_math.RowUpdate(*row_update_arguments(step))
     if not lazy:
         neutral.dense_row_update(
             update_rows,
@@ -162,14 +154,7 @@ def _update_looked_up_rows(
     gradient = tf.IndexedSlices(values, flat_ids, tf.shape(table.value, out_type=flat_ids.dtype))
     if rows.compiled_update_applies(gradient):
         rows.compiled_lazy_row_update(
-            owner,
-            neutral.update_rows_in_float32,
-            options,
-            learning_rate,
-            gradient,
-            table,
-            slots,
-            accumulate_duplicates=accumulate_duplicates,
+            owner, update_rows, gradient, table, slots, accumulate_duplicates=accumulate_duplicates
         )
         return
     rows.lazy_row_update(

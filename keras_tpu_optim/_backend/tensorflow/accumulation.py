@@ -1,4 +1,4 @@
-"""TensorFlow: the rows of `tf.IndexedSlices` gradients accumulated in place (`neutral.accumulated_apply`).
+"""TensorFlow: the rows of `tf.IndexedSlices` gradients accumulated in place (`keras_tpu_optim._accumulation`).
 
 Scatter-adds, scatter-updates and gathers of the rows named, so a micro-step
 costs O(ids x dim) eagerly, in `tf.function` and under `jit_compile=True`.
@@ -30,7 +30,7 @@ def sparse_entries(gradient):
 
 
 def for_owner(owner):
-    """This module's functions for `neutral.accumulated_apply`; their compiled forms belong to `owner`."""
+    """This module's functions for `keras_tpu_optim._accumulation`; their compiled forms belong to `owner`."""
     return types.SimpleNamespace(
         sparse_entries=sparse_entries,
         add_to_window=functools.partial(add_to_window, owner=owner),

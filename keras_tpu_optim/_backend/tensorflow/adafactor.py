@@ -124,7 +124,9 @@ def adafactor_evaluation(platform: str) -> adafactor_math.Evaluation:
     return CPU_EVALUATION if platform == "cpu" else adafactor_math.NEUTRAL
 
 
-def adafactor_step(optimizer, gradient, variable, learning_rate):
+def adafactor_step(
+    gradient, variable, state, *, learning_rate, step, options, variable_index, platform, owner
+):
     """One step, evaluated as measured for where it runs.
 
     Under XLA (`jit_compile=True`), under a `tf.distribute` strategy (its
@@ -137,18 +139,25 @@ def adafactor_step(optimizer, gradient, variable, learning_rate):
     whose integer hash XLA fuses, slower and larger).
     """
     gradient = densify(gradient)
-    platform = optimizer._platform_of(variable)
     evaluation = adafactor_evaluation(platform)
     if _private.in_stateless_scope() or not compiling_helps():
-        neutral.adafactor_step(optimizer, gradient, variable, learning_rate, evaluation)
+        neutral.adafactor_step(
+            gradient,
+            variable,
+            state,
+            learning_rate=learning_rate,
+            step=step,
+            options=options,
+            variable_index=variable_index,
+            evaluation=evaluation,
+        )
         return
-    state = optimizer._state_of(variable)
     # The options' numbers are arguments: one trace serves every value of them.
-    structure, option_values = adafactor_math.split_options(optimizer._options)
+    structure, option_values = adafactor_math.split_options(options)
     blocked = platform == "cpu" and keras.backend.standardize_dtype(variable.dtype) == "float32"
     evaluation = None if blocked else evaluation
     update = compiled_function(
-        optimizer,
+        owner,
         ("adafactor", structure, evaluation),
         lambda: _assigning_update(structure, evaluation),
         xla=not blocked,
@@ -161,9 +170,9 @@ def adafactor_step(optimizer, gradient, variable, learning_rate):
                 tuple(native_variable(s) for s in state.slots),
                 None if state.momentum is None else native_variable(state.momentum),
                 tf.convert_to_tensor(learning_rate),
-                tf.convert_to_tensor(optimizer.iterations + 1),
+                tf.convert_to_tensor(step),
                 # A tensor, so that one trace serves every variable of a shape.
-                tf.constant(_private.variable_index(optimizer, variable), tf.int32),
+                tf.constant(variable_index, tf.int32),
                 {name: tf.constant(value, tf.float32) for name, value in option_values.items()},
             )
         )
@@ -211,7 +220,7 @@ def assigning_step(
         evaluation = blocks.Blocked(
             tuple(variable.shape), GRAPH_CPU_EVALUATION, _after, chunk_elements
         )
-    delta, new_slots, new_momentum = neutral.adafactor_results(
+    delta, new_slots, new_momentum = adafactor_math.float32_update(
         grad,
         variable.read_value(),
         tuple(s.read_value() for s in slots),
@@ -224,16 +233,14 @@ def assigning_step(
     assignments = []
     neutral.assign_update(
         variable,
+        (slots, new_slots),
+        (momentum, new_momentum),
         delta,
-        slots,
-        new_slots,
-        momentum,
-        new_momentum,
+        rounding=adafactor_math.rounding(options, step, variable_index, variable.shape),
         assign=lambda target, value: assignments.append(target.assign(value, read_value=False)),
         assign_sub=lambda target, value: assignments.append(
             target.assign_sub(value, read_value=False)
         ),
-        round_to=neutral.variable_rounding(options, step, variable_index, variable.shape),
     )
     return [op for op in assignments if op is not None]
 

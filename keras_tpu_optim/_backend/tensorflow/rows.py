@@ -74,16 +74,7 @@ def compiled_update_applies(gradient) -> bool:
 
 
 def compiled_lazy_row_update(
-    owner,
-    row_function,
-    options,
-    learning_rate,
-    gradient,
-    variable,
-    slots,
-    *,
-    accumulate_duplicates,
-    ema_step=None,
+    owner, update_rows, gradient, variable, slots, *, accumulate_duplicates
 ):
     """`sparse_row_update` of an IndexedSlices gradient outside XLA, as one XLA computation.
 
@@ -91,20 +82,15 @@ def compiled_lazy_row_update(
     those of the gradient (one compilation per batch size); eagerly, where
     sizes vary from call to call, the entries are padded to a bucket of
     lengths (`sparse_rows.padded`), so that a compilation serves every length
-    in it. The ids are checked first: XLA would clip an out-of-range id
-    silently.
-
-    `row_function(grad, weight, *slots, *, learning_rate, options,
-    ema_step)` is the row update; the options' numbers are arguments of the
-    compiled function (`adam_math.split_options`), so one compilation
-    serves every value of them. `ema_step` (an integer scalar, or None) is
-    passed through to it.
+    in it. The options' numbers are arguments (`adam_math.split_options`), so
+    one compilation serves every value of them. The ids are checked first:
+    XLA would clip an out-of-range id silently.
     """
-    structure, option_values = adam_math.split_options(options)
+    structure, option_values = adam_math.split_options(update_rows.options)
     update = compiled_function(
         owner,
-        ("lazy_row_update", row_function, structure, accumulate_duplicates),
-        lambda: _compilable_update(row_function, structure, accumulate_duplicates),
+        ("lazy_row_update", structure, accumulate_duplicates),
+        lambda: _compilable_update(structure, accumulate_duplicates),
     )
     targets = [native_variable(variable)] + [native_variable(s) for s in slots]
     indices, values = sparse_entries(gradient)
@@ -113,16 +99,15 @@ def compiled_lazy_row_update(
         indices, values = sparse_rows.padded(indices, values)
     # The ids numbered by TF's hash, outside XLA: a fraction of the cost of XLA's sort.
     _, group = tf.unique(indices)
-    ema_step = None if ema_step is None else tf.convert_to_tensor(ema_step)
-    option_values = {name: tf.constant(value, tf.float32) for name, value in option_values.items()}
+    ema_step = update_rows.ema_step
     update(
         indices,
         group,
         values,
-        tf.convert_to_tensor(learning_rate),
+        tf.convert_to_tensor(update_rows.learning_rate),
         targets,
-        ema_step,
-        option_values,
+        None if ema_step is None else tf.convert_to_tensor(ema_step),
+        {name: tf.constant(value, tf.float32) for name, value in option_values.items()},
     )
 
 
@@ -144,15 +129,10 @@ def _checked_indices(indices, num_rows, variable):
         return tf.identity(indices)
 
 
-def _compilable_update(row_function, structure, accumulate_duplicates):
+def _compilable_update(structure, accumulate_duplicates):
     def update(indices, group, values, learning_rate, targets, ema_step, option_values):
         options = adam_math.joined_options(structure, option_values)
-
-        def update_rows(*rows):
-            return row_function(
-                *rows, learning_rate=learning_rate, options=options, ema_step=ema_step
-            )
-
+        update_rows = adam_math.RowUpdate(learning_rate, options, ema_step)
         sparse_row_update(update_rows, indices, values, targets, accumulate_duplicates, group)
 
     return update

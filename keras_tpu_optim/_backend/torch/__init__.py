@@ -14,9 +14,11 @@ from keras_tpu_optim._backend import neutral
 from keras_tpu_optim._backend.torch import accumulation, adafactor, rows
 from keras_tpu_optim._backend.torch.scratch import Scratch
 from keras_tpu_optim._math import adafactor as adafactor_math
+from keras_tpu_optim._math import embedding_adam as adam_math
 
 
 cond = neutral.cond
+eager_branches = neutral.eager_branches
 apply_if = neutral.apply_if  # Eager: a Python branch.
 state_creation_scope = neutral.state_creation_scope
 checked_gradient = neutral.checked_gradient
@@ -66,22 +68,30 @@ def scratch_of(owner) -> Scratch:
     return scratch
 
 
-def adafactor_step(optimizer, gradient, variable, learning_rate):
-    if _private.in_stateless_scope() or not blocked_adafactor_applies(
-        optimizer._platform_of(variable)
-    ):
-        neutral.adafactor_step(optimizer, densify(gradient), variable, learning_rate)
+def adafactor_step(
+    gradient, variable, state, *, learning_rate, step, options, variable_index, platform, owner
+):
+    if _private.in_stateless_scope() or not blocked_adafactor_applies(platform):
+        neutral.adafactor_step(
+            densify(gradient),
+            variable,
+            state,
+            learning_rate=learning_rate,
+            step=step,
+            options=options,
+            variable_index=variable_index,
+            evaluation=adafactor_math.NEUTRAL,
+        )
         return
-    state = optimizer._state_of(variable)
     adafactor.blocked_step(
         densify(gradient),
         variable.value,
         tuple(s.value for s in state.slots),
         None if state.momentum is None else state.momentum.value,
         learning_rate=ops.convert_to_tensor(learning_rate),
-        step=ops.convert_to_tensor(optimizer.iterations) + 1,
-        options=optimizer._options,
-        variable_index=_private.variable_index(optimizer, variable),
+        step=ops.convert_to_tensor(step),
+        options=options,
+        variable_index=variable_index,
     )
 
 
@@ -101,38 +111,44 @@ def grouped_adafactor_applies(platform: str, size: int) -> bool:
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def adafactor_steps(optimizer, grads, variables, learning_rate, keras_steps):
+def adafactor_steps(
+    grads,
+    variables,
+    states,
+    *,
+    indices,
+    platforms,
+    learning_rate,
+    step,
+    options,
+    owner,
+    keras_steps,
+):
     """Keras's loop over `update_step` (`keras_steps`), the variables on a grouped platform stepped by group."""
     if _private.in_stateless_scope():
         keras_steps(grads, variables, learning_rate)
         return
-    alone, groups = _group_plan(optimizer, variables)
+    alone, groups = _group_plan(owner, variables, states, indices, platforms, options)
     if alone:
         keras_steps([grads[p] for p in alone], [variables[p] for p in alone], learning_rate)
-    if not groups:
-        return
-    learning_rate = ops.convert_to_tensor(learning_rate)
-    step = ops.convert_to_tensor(optimizer.iterations) + 1
-    for positions, indices, axes in groups:
-        members = []
-        for position in positions:
-            variable = variables[position]
-            state = optimizer._state_of(variable)
-            members.append(
-                adafactor.Member(
-                    variable.value,
-                    densify(grads[position]),
-                    tuple(s.value for s in state.slots),
-                    None if state.momentum is None else state.momentum.value,
-                )
+    learning_rate, step = ops.convert_to_tensor(learning_rate), ops.convert_to_tensor(step)
+    for positions, group_indices, axes in groups:
+        members = [
+            adafactor.Member(
+                variables[p].value,
+                densify(grads[p]),
+                tuple(s.value for s in states[p].slots),
+                None if states[p].momentum is None else states[p].momentum.value,
             )
+            for p in positions
+        ]
         adafactor.grouped_step(
             members,
             learning_rate=learning_rate,
             step=step,
-            options=optimizer._options,
+            options=options,
             axes=axes,
-            indices=indices,
+            indices=group_indices,
         )
 
 
@@ -140,30 +156,27 @@ def adafactor_steps(optimizer, grads, variables, learning_rate, keras_steps):
 _plans: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _group_plan(optimizer, variables) -> tuple:
+def _group_plan(owner, variables, states, indices, platforms, options) -> tuple:
     """`(alone, groups)`: the positions in `variables` of those stepped one at a time (Keras's loop), and
     `(positions, indices, axes)` per chunk of a group: the chunk's positions, its variables' indices in the
     optimizer (an int32 tensor), its factored axes. Computed once per list of variables."""
-    key = tuple(_private.variable_index(optimizer, v) for v in variables)
-    if torch.compiler.is_compiling():
-        return _new_group_plan(optimizer, variables, key)  # traced once; no cache to guard on
-    plans = _plans.setdefault(optimizer, {})
-    plan = plans.get(key)
+    key = tuple(indices)
+    plans = {} if torch.compiler.is_compiling() else _plans.setdefault(owner, {})
+    plan = plans.get(key)  # traced once when compiling: no cache to guard on
     if plan is None:
-        plan = plans[key] = _new_group_plan(optimizer, variables, key)
+        plan = plans[key] = _new_group_plan(variables, states, key, platforms, options)
     return plan
 
 
-def _new_group_plan(optimizer, variables, key) -> tuple:
+def _new_group_plan(variables, states, key, platforms, options) -> tuple:
     alone, groups = [], {}
-    for position, variable in enumerate(variables):
+    for position, (variable, state) in enumerate(zip(variables, states)):
         if variable.value.dtype not in _GROUPED_DTYPES or not grouped_adafactor_applies(
-            optimizer._platform_of(variable), math.prod(variable.shape)
+            platforms[position], math.prod(variable.shape)
         ):
             alone.append(position)
             continue
-        state = optimizer._state_of(variable)
-        axes = optimizer._options.factored_axes(variable.shape) if len(state.slots) == 2 else None
+        axes = options.factored_axes(variable.shape) if len(state.slots) == 2 else None
         momentum = None if state.momentum is None else state.momentum.value
         groups.setdefault(
             adafactor.group_key(variable.value, state.slots, momentum, axes), []
@@ -171,32 +184,33 @@ def _new_group_plan(optimizer, variables, key) -> tuple:
     chunks = []
     for group, positions in groups.items():
         for chunk in adafactor.chunked(positions, math.prod(group[0])):
-            indices = torch.tensor([key[p] for p in chunk], dtype=torch.int32, device=group[2])
-            chunks.append((chunk, indices, group[3]))
+            group_indices = torch.tensor(
+                [key[p] for p in chunk], dtype=torch.int32, device=group[2]
+            )
+            chunks.append((chunk, group_indices, group[3]))
     return alone, chunks
 
 
-def embedding_adam_step(optimizer, gradient, variable, learning_rate):
+def embedding_adam_step(
+    gradient, variable, slots, update_rows, *, lazy, accumulate_duplicates, max_touched_rows, owner
+):
     neutral.embedding_adam_step(
-        optimizer,
         gradient,
         variable,
-        learning_rate,
+        slots,
+        update_rows,
+        lazy=lazy,
         lazy_row_update=functools.partial(
             rows.lazy_row_update,
-            accumulate_duplicates=optimizer.use_gradient_accumulation,
-            scratch=scratch_of(optimizer),
+            accumulate_duplicates=accumulate_duplicates,
+            scratch=scratch_of(owner),
         ),
         densify=densify,
     )
 
 
-def apply_gradients(optimizer, grads, variables, keras_apply):
-    """Keras's step (`keras_apply`), or with `accumulates_rows` the same step with sparse rows accumulated in place."""
-    if not optimizer._accumulates_rows:
-        keras_apply(grads, variables)
-        return
-    neutral.accumulated_apply(optimizer, grads, variables, rows=accumulation)
+def accumulation_rows(owner):
+    return accumulation
 
 
 def trained_lookup(
@@ -263,8 +277,7 @@ def _update_looked_up_rows(
 ):
     flat_ids = ids.reshape(-1).long()
     values = row_gradients.reshape((flat_ids.shape[0],) + tuple(targets[0].shape[1:]))
-    learning_rate, options = row_update_arguments(step)
-    update_rows = neutral.RowUpdate(learning_rate=learning_rate, options=options)
+    update_rows = adam_math.RowUpdate(*row_update_arguments(step))
     if not lazy:
         gradient = torch.zeros(
             targets[0].shape, dtype=values.dtype, device=values.device

@@ -1,4 +1,4 @@
-"""torch: the rows of sparse COO gradients accumulated in place (`neutral.accumulated_apply`).
+"""torch: the rows of sparse COO gradients accumulated in place (`keras_tpu_optim._accumulation`).
 
 `index_add_`, `index_copy_` and `index_select` of the rows named: a
 micro-step costs O(entries x dim).

@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from keras_tpu_optim._backend import blocks, neutral
+from keras_tpu_optim._backend import blocks
 from keras_tpu_optim._math import adafactor as adafactor_math
 
 
@@ -112,8 +112,8 @@ def blocked_step(
             part[1].sub_(delta)
         else:
             offset = 0 if span is None else span[0] * per_row
-            rounding = neutral.variable_rounding(options, step, variable_index, None, offset)
-            part[1].copy_(neutral.subtracted(part[1], delta, rounding))
+            rounding = adafactor_math.rounding(options, step, variable_index, None, offset)
+            part[1].copy_(adafactor_math.subtracted(part[1], delta, rounding))
 
 
 class Member(NamedTuple):
@@ -184,7 +184,7 @@ def grouped_step(members, *, learning_rate, step, options, axes, indices=None) -
         torch._foreach_sub_(params, deltas.unbind(0))
         return
     column = None if indices is None else indices.reshape((-1,) + (1,) * first.param.dim())
-    rounding = neutral.variable_rounding(options, step, column, tuple(first.param.shape))
+    rounding = adafactor_math.rounding(options, step, column, tuple(first.param.shape))
     torch._foreach_copy_(
-        params, neutral.subtracted(torch.stack(params), deltas, rounding).unbind(0)
+        params, adafactor_math.subtracted(torch.stack(params), deltas, rounding).unbind(0)
     )

@@ -104,7 +104,7 @@ def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplic
     """Update only the rows present in `gradient` (sparse COO indices, or a dense gradient's non-zero rows).
 
     `update_rows(grad_rows, weight_rows, *slot_rows)` returns the new
-    `(weight_rows, *slot_rows)` (a `neutral.RowUpdate`). Duplicate ids of a
+    `(weight_rows, *slot_rows)` (an `adam_math.RowUpdate`). Duplicate ids of a
     sparse gradient are summed (`accumulate_duplicates`) or the last
     occurrence wins.
     """
