@@ -16,7 +16,7 @@ import pytest
 from keras import ops
 
 from keras_tpu_optim import _backend
-from keras_tpu_optim._backend import blocks
+from keras_tpu_optim._math import blocks
 from keras_tpu_optim._math import adafactor as adafactor_math
 
 BACKEND = keras.backend.backend()

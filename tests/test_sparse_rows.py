@@ -1,10 +1,10 @@
-"""The sparse row helpers every backend uses (`_backend/rows.py`), against numpy written from their rules."""
+"""The sparse row helpers every backend uses (`_math/sparse_rows.py`), against numpy written from their rules."""
 
 import numpy as np
 import pytest
 from keras import ops
 
-from keras_tpu_optim._backend import rows as sparse_rows
+from keras_tpu_optim._math import sparse_rows
 
 IDS = [4, 1, 4, 9, 1, 4, 0]
 
@@ -72,9 +72,9 @@ def test_no_backend_keeps_a_copy_of_the_helpers():
     """grouped_rows, the bucket rule and the padding are written once (here)."""
     import pathlib
 
-    backend = pathlib.Path(sparse_rows.__file__).parent
-    for path in backend.rglob("*.py"):
-        if path.name == "rows.py" and path.parent == backend:
+    package = pathlib.Path(sparse_rows.__file__).parent.parent
+    for path in package.rglob("*.py"):
+        if path == pathlib.Path(sparse_rows.__file__):
             continue
         text = path.read_text()
         for name in ("def grouped_rows(", "def bucket(", "def padded(", "segment_max("):

@@ -20,7 +20,7 @@ if BACKEND != "tensorflow":
 
 import tensorflow as tf  # noqa: E402
 
-from keras_tpu_optim._backend import blocks  # noqa: E402
+from keras_tpu_optim._math import blocks  # noqa: E402
 from keras_tpu_optim._backend.tensorflow import adafactor as tf_adafactor  # noqa: E402
 from keras_tpu_optim._math.adafactor import AdafactorOptions  # noqa: E402
 from _adafactor_options import make_options  # noqa: E402  (tests/ is on pythonpath)

@@ -22,7 +22,7 @@ if BACKEND != "torch":
 
 torch = pytest.importorskip("torch")
 
-from keras_tpu_optim._backend import blocks  # noqa: E402
+from keras_tpu_optim._math import blocks  # noqa: E402
 from keras_tpu_optim._backend.torch import adafactor  # noqa: E402
 from keras_tpu_optim._math.adafactor import AdafactorOptions  # noqa: E402
 from _adafactor_options import make_options  # noqa: E402  (tests/ is on pythonpath)

@@ -9,7 +9,7 @@ from keras import ops
 from jax.experimental import sparse as jax_sparse
 
 from keras_tpu_optim._backend import neutral
-from keras_tpu_optim._backend import rows as sparse_rows
+from keras_tpu_optim._math import sparse_rows
 from keras_tpu_optim._backend.jax import rows
 from keras_tpu_optim._math import adafactor as adafactor_math
 from keras_tpu_optim._math import embedding_adam as adam_math

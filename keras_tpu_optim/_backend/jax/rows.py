@@ -1,23 +1,14 @@
-"""JAX: the touched rows of a table, from a dense or a BCOO gradient, under `jax.jit` (static shapes).
+"""JAX: the touched rows of a table, from a dense or a BCOO gradient, with static shapes.
 
-A BCOO gradient names its rows: they are grouped, gathered, updated and
-scattered back at the cost of the stored entries (`sparse_row_update`, the
-one of `_backend/rows.py`), as a `tf.IndexedSlices` on TF.
-
-The touched rows of a dense gradient are processed in rounds of a static
-capacity, inside a `lax.while_loop` that runs as many rounds as the step
-needs (one, unless the step touches more rows than the capacity): each round
-lists the next touched rows, gathers them, applies the row update and
-scatters the results back. The table and slots are loop state, so under
-`jax.jit` with donated state (as Keras's trainer runs it) they are updated in
-place: besides one read of the gradient, the optimizer's work is
-O(rows touched * dim + rows / 32), and every touched row is updated exactly
-once whatever the capacity.
-
-The touched rows are kept as a bitmap, 32 rows to a word: listing the next
-rows of a round is a `nonzero` over the words (1/32 of the rows), then over
-the bits of the words it found, instead of a `nonzero` (a cumulative sum)
-over every row.
+A BCOO gradient's stored rows are updated as a `tf.IndexedSlices`' on TF
+(`sparse_rows.sparse_row_update`). A dense gradient's touched rows are kept
+as a bitmap, 32 rows to a word, and updated in rounds of a static capacity in
+a `lax.while_loop`: each round lists the next rows (a `nonzero` over the
+words, then over the bits of the words found: 1/32 of a `nonzero` over every
+row), gathers, updates and scatters them. The table and slots are loop
+state, updated in place under `jax.jit` with donated state (as Keras's
+trainer runs it): O(rows touched * dim + rows / 32) besides one read of the
+gradient.
 """
 
 from __future__ import annotations
@@ -26,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import sparse as jax_sparse
 
-from keras_tpu_optim._backend import rows as sparse_rows
+from keras_tpu_optim._math import sparse_rows
 from keras_tpu_optim._math import embedding_adam as adam_math
 
 _BITS = 32
@@ -76,26 +67,17 @@ def default_capacity(num_rows: int) -> int:
 
 
 def lazy_row_update(update_rows, gradient, tables, *, capacity):
-    """The tables after updating only the rows of a dense `gradient` with a non-zero entry; untouched rows keep their bits.
-
-    `tables` are the table's and its slots' values; `update_rows(grad_rows,
-    weight_rows, *slot_rows)` returns the new `(weight_rows, *slot_rows)`;
-    `capacity` (at most the table's rows) is the static size of a round.
-    """
+    """The tables (the table's and its slots' values) after updating the rows of a dense `gradient` with a
+    non-zero entry by `update_rows`, `capacity` rows a round; untouched rows keep their bits."""
     num_rows = tables[0].shape[0]
     touched = pack_bits(touched_mask(gradient))
     count = jnp.sum(jax.lax.population_count(touched), dtype=jnp.int32)
 
     def update_round(state):
         done, left, tables = state
-        # Padding ids point past the table: gathers clip them to the last row (cheaper
-        # than a fill), scatters drop them, so their rows never land.
-        ids = first_set_bits(left, capacity, num_rows)
-        gather = lambda x: x.at[ids].get(mode="clip")
-        new_rows = update_rows(gather(gradient), *(gather(t) for t in tables))
-        tables = tuple(
-            t.at[ids].set(r.astype(t.dtype), mode="drop") for t, r in zip(tables, new_rows)
-        )
+        ids = first_set_bits(left, capacity, num_rows)  # padded with ids past the table
+        new_rows = update_rows(_gather(gradient, ids), *(_gather(t, ids) for t in tables))
+        tables = tuple(_scatter(t, ids, r) for t, r in zip(tables, new_rows))
         return done + capacity, clear_through(left, ids[capacity - 1]), tables
 
     def rows_left(state):
@@ -121,7 +103,7 @@ def row_entries(gradient):
 
 
 def _gather(table, ids):
-    # Ids past the end (BCOO's padding) clip to the last row; the scatter drops their results.
+    # Ids past the end (padding) clip to the last row (cheaper than a fill); scatters drop them.
     return table.at[ids].get(mode="clip")
 
 
@@ -130,8 +112,7 @@ def _scatter(table, ids, rows):
 
 
 def sparse_row_update(update_rows, ids, rows, tables, *, accumulate_duplicates):
-    """`sparse_rows.sparse_row_update` of JAX arrays: the new tables (in place under `jax.jit` with donated
-    state). Ids outside the table (BCOO's padding) are dropped."""
+    """`sparse_rows.sparse_row_update` of JAX arrays: the new tables. Ids past the table are dropped."""
     return sparse_rows.sparse_row_update(
         update_rows,
         ids,

@@ -27,17 +27,12 @@ apply_if = neutral.apply_if  # tf.cond runs only the branch taken: sparse update
 
 
 def state_creation_scope():
-    """Out of any function being traced (`tf.init_scope`): the state is created and initialised eagerly.
+    """Out of any function being traced (`tf.init_scope`): the state created eagerly, not lifted.
 
-    Keras's TF trainer builds the optimizer while it traces the train step;
-    variables created there get their initializers lifted into functions of
-    their own, kept in the process (one per variable),
-    and a `tf.function` that saw variables created traces itself a second
-    time, for the calls that follow. Created eagerly and not lifted
-    (`experimental_enable_variable_lifting=False`: the variables hold their
-    initial values already), neither happens: the train step is traced once.
-    Under a `tf.distribute` strategy the state is created where the strategy
-    says (Keras builds it there eagerly).
+    Keras's TF trainer builds the optimizer while it traces the train step:
+    variables created there get initializer functions of their own, kept in
+    the process, and the step traces itself a second time. Under a
+    `tf.distribute` strategy the state is created where the strategy says.
     """
     if tf.executing_eagerly() or tf.distribute.has_strategy():
         return contextlib.nullcontext()
@@ -137,28 +132,21 @@ def trained_lookup(
 def _update_looked_up_rows(
     owner, state, ids, row_gradients, step, row_update_arguments, *, lazy, accumulate_duplicates
 ):
-    table, slots = state[0], state[1:]
+    """The lookup's gradient as the table's `IndexedSlices`, stepped as the optimizer steps one."""
     flat_ids = tf.reshape(ids, [-1])
+    shape = tf.shape(state[0].value, out_type=flat_ids.dtype)
     values = tf.reshape(
-        row_gradients, tf.concat([tf.shape(flat_ids), tf.shape(table.value)[1:]], 0)
+        row_gradients, tf.concat([tf.shape(flat_ids, out_type=shape.dtype), shape[1:]], 0)
     )
-    update_rows = adam_math.RowUpdate(*row_update_arguments(step))
-    if not lazy:
-        neutral.dense_row_update(
-            update_rows,
-            tf.math.unsorted_segment_sum(values, flat_ids, table.shape[0]),
-            table,
-            slots,
-        )
-        return
-    gradient = tf.IndexedSlices(values, flat_ids, tf.shape(table.value, out_type=flat_ids.dtype))
-    if rows.compiled_update_applies(gradient):
-        rows.compiled_lazy_row_update(
-            owner, update_rows, gradient, table, slots, accumulate_duplicates=accumulate_duplicates
-        )
-        return
-    rows.lazy_row_update(
-        update_rows, gradient, table, slots, accumulate_duplicates=accumulate_duplicates
+    embedding_adam_step(
+        tf.IndexedSlices(values, flat_ids, shape),
+        state[0],
+        state[1:],
+        adam_math.RowUpdate(*row_update_arguments(step)),
+        lazy=lazy,
+        accumulate_duplicates=accumulate_duplicates,
+        max_touched_rows=None,
+        owner=owner,
     )
 
 

@@ -11,7 +11,7 @@ import types
 
 import tensorflow as tf
 
-from keras_tpu_optim._backend import rows as sparse_rows
+from keras_tpu_optim._math import sparse_rows
 from keras_tpu_optim._backend.tensorflow._compile import (
     compiled_function,
     compiling_helps,
@@ -86,16 +86,10 @@ def window_count(window, number):
 def window_gradient(accumulator, window, number, steps, like, size, *, owner):
     """The rows of the window (`window == number`) of `accumulator / steps`, as an IndexedSlices; those rows zeroed.
 
-    One scan of `window` lists the rows. With `size` None (outside XLA) the
-    list is padded to a bucket of lengths (`sparse_rows.padded`), so that the
-    compiled gather-and-zero here and the compiled row update
-    (`rows.compiled_lazy_row_update`) see a handful of sizes rather than one
-    per window. Under XLA the list has the static
-    length `size` (`window_sizes`; the window's rows must fit). Padding
-    entries name row `rows` (past the end: XLA drops their scatters) or
-    repeat the first row, before it, with zero values: summed with the row
-    they add nothing, and when the last occurrence wins, the row's own entry
-    is last.
+    One scan of `window` lists the rows: outside XLA (`size` None) padded to a
+    bucket of lengths (`sparse_rows.padded`: a handful of compiled sizes), under
+    XLA of the static length `size`, padded with row `rows` (past the end: XLA
+    drops its scatters).
     """
     targets = [native_variable(accumulator), native_variable(window)]
     if size is None:

@@ -1,21 +1,18 @@
 """Adafactor on TensorFlow: how its sums are evaluated on CPU, and where its step is compiled.
 
-On CPU, TF's XLA backend writes `x^2` to memory before reducing it and runs
-reductions on one thread, but fuses a square into a matrix-vector product
-(run multithreaded) and into additions. `CpuEvaluation` therefore computes
-sums over the last axis as products with a vector of ones (or with the
-weights), and sums over the next-to-last after folding the rows onto an
-eighth of them.
+On CPU, TF's XLA writes `x^2` to memory before reducing it, on one thread,
+but fuses a square into a (multithreaded) matrix-vector product and into
+additions: `CpuEvaluation` sums over the last axis as products with a vector
+of ones (or the weights), over the next-to-last after folding the rows onto
+an eighth of them.
 
-Keras's TF trainer runs `fit` without XLA on a machine without an
-accelerator. TF's executor then keeps every op's output until its last
-consumer has run, and runs whatever is ready: a whole step's full-size
-intermediates of every variable can be alive at once. There, a float32
-variable's sums are evaluated in blocks of its leading axis, each block's
-after the previous one's (`blocks.Blocked`), and each variable's step after
-the previous variable's (`after_previous_step`), so that one variable's
-temporaries exist at a time, as with an eager step. Other dtypes, and other
-platforms, have each variable's step compiled with XLA.
+Without XLA (Keras's `fit` on a machine without an accelerator), TF's
+executor keeps every op's output until its last consumer has run and runs
+whatever is ready, so a whole step's full-size intermediates can be alive at
+once. There a float32 variable's sums are evaluated in blocks of its leading
+axis, one after the other (`blocks.Blocked`), and each variable's step after
+the previous one's (`after_previous_step`). Other dtypes and platforms have
+each variable's step compiled with XLA.
 """
 
 from __future__ import annotations
@@ -28,7 +25,8 @@ import tensorflow as tf
 from keras import ops
 
 from keras_tpu_optim import _private
-from keras_tpu_optim._backend import blocks, neutral
+from keras_tpu_optim._backend import neutral
+from keras_tpu_optim._math import blocks
 from keras_tpu_optim._backend.tensorflow._compile import (
     compiled_function,
     compiling_helps,

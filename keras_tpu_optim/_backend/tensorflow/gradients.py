@@ -21,13 +21,10 @@ def gradient_values(gradient):
 def checked_gradient(gradient, variable, mismatch):
     """`gradient` with the variable's static shape (an IndexedSlices: its values' rows), checked.
 
-    Inside a traced function a gradient's static shape may be partly or wholly
-    unknown (TF's gradient of a reshaped matmul loses the leading dimension),
-    where every kernel reads its shapes from the variable. A static difference
-    raises `ValueError(mismatch(shape))`; an unknown dimension is checked when
-    the function runs (an `InvalidArgumentError` carrying the same message and
-    the actual shape; under XLA, when it compiles), and the result carries the
-    variable's shape.
+    A traced gradient's static shape may be partly unknown (TF's gradient of
+    a reshaped matmul loses the leading dimension). A static difference raises
+    `ValueError(mismatch(shape))`; an unknown dimension is checked when the
+    function runs (under XLA, when it compiles).
     """
     sparse = isinstance(gradient, tf.IndexedSlices)
     indices, values = sparse_entries(gradient) if sparse else (None, tf.convert_to_tensor(gradient))

@@ -1,18 +1,15 @@
 """TensorFlow: the touched rows of a table, from `tf.IndexedSlices` or a dense gradient, updated in place.
 
-An `IndexedSlices` takes `sparse_row_update` (`_backend/rows.py`'s, on
-variables). It runs inlined where it is traced into XLA (`jit_compile=True`)
-or inside a `tf.distribute` replica update, and as one XLA computation of its
-own everywhere else (`compiled_lazy_row_update`: what `fit` runs on a machine
-without an accelerator, and eager code), so that it is never a chain of
-single TF kernels. A dense gradient takes its touched rows (`touched_rows`).
+An `IndexedSlices` takes `sparse_rows.sparse_row_update`: inlined under XLA
+or inside a `tf.distribute` replica update, one XLA computation of its own
+elsewhere (`compiled_lazy_row_update`), never a chain of single TF kernels.
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_tpu_optim._backend import rows as sparse_rows
+from keras_tpu_optim._math import sparse_rows
 from keras_tpu_optim._backend.tensorflow._compile import (
     compiled_function,
     compiling_helps,

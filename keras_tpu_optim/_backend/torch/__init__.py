@@ -11,8 +11,8 @@ from keras import ops
 
 from keras_tpu_optim import _private
 from keras_tpu_optim._backend import neutral
-from keras_tpu_optim._backend.torch import accumulation, adafactor, rows
-from keras_tpu_optim._backend.torch.scratch import Scratch
+from keras_tpu_optim._backend.torch import adafactor, rows
+from keras_tpu_optim._backend.torch.rows import Scratch
 from keras_tpu_optim._math import adafactor as adafactor_math
 from keras_tpu_optim._math import embedding_adam as adam_math
 
@@ -210,40 +210,52 @@ def embedding_adam_step(
 
 
 def accumulation_rows(owner):
-    return accumulation
+    return rows
 
 
 def trained_lookup(
     ids, state, iterations, row_update_arguments, *, lazy, accumulate_duplicates, owner
 ):
-    """The rows of `state[0]` at `ids`; the backward pass updates the rows looked up (and their slots) in place
-    and returns `iterations + 1` as the gradient of `iterations` (see `keras_tpu_optim._backend`)."""
-    update = functools.partial(
-        _update_looked_up_rows,
-        [t.value for t in state],
-        row_update_arguments,
-        lazy=lazy,
-        accumulate_duplicates=accumulate_duplicates,
-        scratch=scratch_of(owner),
-    )
-    check = functools.partial(_check_one_update_per_step, owner, iterations.value)
-    return _TrainedLookup.apply(ids, iterations.value, state[0].value, update, check)
+    """The rows of `state[0]` at `ids`; the backward pass steps the table (and its slots) in place with the
+    lookup's gradient, as the table's sparse COO gradient, and returns `iterations + 1` as the gradient of
+    `iterations` (`row_update_arguments(step) -> (learning_rate, options)`)."""
+    count = iterations.value
+
+    def update(ids, row_gradients, step):
+        _check_one_update_per_step(owner, count)
+        flat_ids = ids.reshape(-1).long()
+        values = row_gradients.reshape((flat_ids.shape[0],) + tuple(state[0].shape[1:]))
+        # Checked where `to_dense` reads the ids (the lazy path's index ops check them themselves).
+        gradient = torch.sparse_coo_tensor(
+            flat_ids[None], values, tuple(state[0].shape), check_invariants=not lazy
+        )
+        embedding_adam_step(
+            gradient,
+            state[0],
+            state[1:],
+            adam_math.RowUpdate(*row_update_arguments(step)),
+            lazy=lazy,
+            accumulate_duplicates=accumulate_duplicates,
+            max_touched_rows=None,
+            owner=owner,
+        )
+
+    return _TrainedLookup.apply(ids, count, state[0].value, update)
 
 
 class _TrainedLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ids, step, table, update, check):
-        ctx.update, ctx.check = update, check
+    def forward(ctx, ids, step, table, update):
+        ctx.update = update
         ctx.save_for_backward(ids, step)
         return ops.take(table, ids, axis=0)
 
     @staticmethod
     def backward(ctx, row_gradients):
         ids, step = ctx.saved_tensors
-        ctx.check()
         with torch.no_grad():
             ctx.update(ids, row_gradients, step)
-        return None, step + 1, None, None, None
+        return None, step + 1, None, None
 
 
 # Each trained layer's step count (the tensor and its in-place version) at its table's last update.
@@ -270,23 +282,6 @@ def _check_one_update_per_step(owner, iterations):
             "receive the layer's trainable variables.)"
         )
     _last_updates[owner] = key
-
-
-def _update_looked_up_rows(
-    targets, row_update_arguments, ids, row_gradients, step, *, lazy, accumulate_duplicates, scratch
-):
-    flat_ids = ids.reshape(-1).long()
-    values = row_gradients.reshape((flat_ids.shape[0],) + tuple(targets[0].shape[1:]))
-    update_rows = adam_math.RowUpdate(*row_update_arguments(step))
-    if not lazy:
-        gradient = torch.zeros(
-            targets[0].shape, dtype=values.dtype, device=values.device
-        ).index_add_(0, flat_ids, values)
-        for target, value in zip(targets, update_rows(gradient, *targets)):
-            target.copy_(value)
-        return
-    unique_ids, grad_rows = rows.unique_rows(flat_ids, values, accumulate_duplicates, scratch)
-    rows.update_in_place(update_rows, unique_ids, grad_rows, targets, scratch)
 
 
 def lookup_trace(iterations):

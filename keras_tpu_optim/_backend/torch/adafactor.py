@@ -1,14 +1,11 @@
 """Adafactor on eager torch: the formula evaluated in blocks of a variable, or for groups of variables at once.
 
-Eager torch runs each op as it comes: a whole-variable step materialises
-every intermediate (`g^2`, the update) at the variable's size. `blocked_step`
-evaluates the step's sums over blocks of the variable's leading axis and
-writes its update a block at a time, so that no intermediate is bigger than
-a block. `grouped_step` stacks the variables of one shape, dtype and kind of
-state on a leading axis and evaluates the step once for the stack: each op
-is then one kernel launch for the group, not one per variable (on a GPU a
-launch costs 5-10 us before any work). Both evaluate `_math.adafactor`'s one
-formula; neither reads a value back to the host.
+`blocked_step` evaluates the sums over blocks of the leading axis and writes
+the update a block at a time: no intermediate is bigger than a block (eager
+torch would materialise each at the variable's size). `grouped_step` stacks
+the variables of one shape, dtype and kind of state and evaluates the step
+once for the stack: one kernel launch per op for the group, not one per
+variable. Neither reads a value back to the host.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from keras_tpu_optim._backend import blocks
+from keras_tpu_optim._math import blocks
 from keras_tpu_optim._math import adafactor as adafactor_math
 
 

@@ -1,16 +1,39 @@
-"""torch: dense gradients' non-zero rows, or sparse COO gradients, updated in place.
+"""torch: the touched rows of a table (a sparse COO gradient's, or a dense gradient's non-zero rows) updated
+in place, and accumulated in place under `gradient_accumulation_steps` (`keras_tpu_optim._accumulation`).
 
-Keras's torch backend produces dense embedding gradients; a custom training
-step may also pass a sparse COO gradient (`torch.nn.functional.embedding(...,
-sparse=True)`). Either way only the touched rows are read and written.
+Reads and writes are of the rows named, in buffers kept across steps (`Scratch`): an eager step
+that allocates its intermediates afresh pays, on CPU, the page faults of memory the allocator
+handed back to the OS in between.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from keras_tpu_optim import _private
 from keras_tpu_optim._math import embedding_adam as adam_math
+
+
+class Scratch:
+    """One owner's buffers (an optimizer's, a layer's), one per `(slot, dtype)`, grown as needed and reused."""
+
+    def __init__(self):
+        self._buffers = {}
+
+    def empty(self, shape, slot: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """A `dtype` view of `shape` on `device` (contents undefined)."""
+        numel = math.prod(shape)
+        buffer = self._buffers.get((slot, dtype))
+        if buffer is None or buffer.device != torch.device(device) or buffer.numel() < numel:
+            self._buffers[(slot, dtype)] = (
+                None  # Free the old buffer before allocating its successor.
+            )
+            buffer = self._buffers[(slot, dtype)] = torch.empty(
+                max(numel, 1), dtype=dtype, device=device
+            )
+        return buffer[:numel].view(shape)
 
 
 def unique_rows(indices, values, accumulate_duplicates, scratch=None):
@@ -55,13 +78,10 @@ _CPU_CHUNK_ELEMENTS = 1 << 20
 def touched_rows(gradient, scratch=None):
     """Rows with any non-zero (or NaN) entry: `_math.embedding_adam.touched_row_mask`'s rule.
 
-    On CPU as the L2 norm of the rows scaled by `_UNDERFLOW_SCALE`, a chunk of
-    rows at a time: torch's vectorised L2 norm reads a gradient several times
-    faster there than its 1-norm, and the scaling keeps rows of tiny entries
-    (which square to zero unscaled) touched, NaNs and infinities too (an
-    overflow to inf is non-zero). Elsewhere as the row's 1-norm, which torch
-    reduces without a full-size temporary (`abs(g).sum()` would make one).
-    The norms and the scaled chunk live in `scratch` where one is given.
+    On CPU a non-zero L2 norm of the rows scaled by `_UNDERFLOW_SCALE`, a chunk
+    at a time (torch's L2 norm reads several times faster there than its
+    1-norm; the scale keeps tiny entries from squaring to zero). Elsewhere the
+    1-norm, reduced without a full-size temporary.
     """
     if gradient.dim() == 1:
         return torch.nonzero(gradient).squeeze(1)
@@ -133,15 +153,8 @@ def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplic
 
 
 def masked_row_update(update_rows, gradient, targets):
-    """A dense gradient's lazy step with static shapes, as `torch.compile` traces it.
-
-    The touched rows' list has a data-dependent length (`nonzero`), which
-    `torch.compile` cannot trace without breaking its graph; here every row's
-    update is computed and only the touched rows (`touched_row_mask`) take
-    theirs: the same numbers, untouched rows bit for bit, in one pass over the
-    table that the compiler fuses (the cost of `lazy_adam=False`, not of the
-    rows touched).
-    """
+    """A dense gradient's lazy step with static shapes, for `torch.compile` (a `nonzero` would break its graph):
+    every row's update computed, only the touched rows' kept. The same numbers, at `lazy_adam=False`'s cost."""
     touched = adam_math.touched_row_mask(gradient)
     for target, rows in zip(targets, update_rows(gradient, *targets)):
         keep = touched.reshape((-1,) + (1,) * (target.dim() - 1))
@@ -170,4 +183,41 @@ def _gather(target, ids, scratch, slot):
         return target.index_select(0, ids)
     return torch.index_select(
         target, 0, ids, out=scratch.empty(shape, slot, target.dtype, target.device)
+    )
+
+
+# ---------------------------------------------------------------- gradient accumulation of rows
+
+
+def sparse_entries(gradient):
+    """`(ids, values)` of a sparse COO gradient (duplicates kept); None for a dense one."""
+    if not gradient.is_sparse:
+        return None
+    return _private.torch_sparse_entries(gradient)
+
+
+@torch.no_grad()
+def add_to_window(accumulator, window, ids, values, number):
+    """Add the rows `values` into `accumulator` at `ids` (duplicates add up) and mark them `number` in `window`."""
+    accumulator.value.index_add_(0, ids, values.to(accumulator.value.dtype))
+    window.value.index_fill_(0, ids, number)
+
+
+def window_sizes(like, window, steps):
+    """Eager: the list of a window's rows has its own length."""
+    return (None,)
+
+
+@torch.no_grad()
+def window_gradient(accumulator, window, number, steps, like, size=None):
+    """The rows of the window (`window == number`) of `accumulator / steps`, a coalesced sparse COO; those rows zeroed.
+
+    One scan of `window` lists the rows (increasing, unique).
+    """
+    ids = torch.nonzero(window.value == number).squeeze(1)
+    summed = accumulator.value.index_select(0, ids)
+    accumulator.value.index_fill_(0, ids, 0)
+    mean = (summed / steps).to(like.dtype)
+    return torch.sparse_coo_tensor(
+        ids[None], mean, size=like.shape, is_coalesced=True, check_invariants=False
     )
