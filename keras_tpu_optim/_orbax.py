@@ -1,16 +1,6 @@
-"""Resuming from a `keras.callbacks.OrbaxCheckpoint` with the saved state checked first.
-
-`OrbaxCheckpoint` saves `model.get_state_tree()`: every variable by its path, the
-optimizer's under `optimizer_variables/<optimizer name>/<variable name>`. It never calls
-`save_own_variables`, so our state signature is not written, and Keras's loaders
-(`model.load_weights(directory)`, `keras.saving.load_model(directory)`) assign by path and
-silently skip every path that does not match: a differently configured optimizer (other
-factoring, `beta_1`, EMA or accumulation on or off), an optimizer that is not built yet,
-or a model whose variables are named differently resume with part of their state fresh.
-Keras offers no hook on that path, so `load_checkpoint` checks the checkpoint's metadata
-against the model and its optimizer before anything is assigned, then loads it with
-`model.load_weights`.
-"""
+"""Resuming from a `keras.callbacks.OrbaxCheckpoint`, the saved state checked first: Keras's
+loaders assign by path and silently skip every path that does not match (another optimizer
+configuration, an unbuilt optimizer, renamed variables), with no hook to check before."""
 
 from __future__ import annotations
 
@@ -18,6 +8,7 @@ import json
 import os
 
 import keras
+from keras.backend import standardize_dtype
 
 from keras_tpu_optim import _saving
 
@@ -26,17 +17,15 @@ def _ocp():
     try:
         import orbax.checkpoint
 
-        ocp = orbax.checkpoint.v1  # the API Keras's OrbaxCheckpoint writes with
+        return orbax.checkpoint.v1  # the API Keras's OrbaxCheckpoint writes with
     except (ImportError, AttributeError) as error:  # pragma: no cover - orbax is a Keras extra
         raise ImportError(
             "load_checkpoint needs the 'orbax-checkpoint' package (pip install orbax-checkpoint)."
         ) from error
-    return ocp
 
 
 def _latest_step(directory: str) -> tuple[str, int]:
     """(step directory, step) of the latest complete checkpoint under an OrbaxCheckpoint directory."""
-    directory = os.fspath(directory)
     if not os.path.isdir(directory):
         raise ValueError(f"No Orbax checkpoint at {directory!r}: not a directory.")
     if not any(
@@ -65,11 +54,8 @@ def _flatten(tree, prefix="") -> dict:
 def _saved_optimizer_config(root: str, step) -> dict | None:
     """The saving optimizer's config, from the checkpoint's model config (for the message only)."""
     try:
-        loaded = (
-            _ocp()
-            .training.Checkpointer(directory=root)
-            .load_checkpointables(step, {"model_config": None})
-        )
+        checkpointer = _ocp().training.Checkpointer(directory=root)
+        loaded = checkpointer.load_checkpointables(step, {"model_config": None})
         config = json.loads(loaded["model_config"]["config"])
         return config["compile_config"]["optimizer"]["config"]
     except Exception:
@@ -77,10 +63,10 @@ def _saved_optimizer_config(root: str, step) -> dict | None:
 
 
 def _shape_and_dtype(meta) -> tuple[tuple[int, ...], str]:
-    """A metadata leaf's shape and dtype. OrbaxCheckpoint saves scalars as Python numbers
-    on TensorFlow and torch (the iteration counter, a float learning rate)."""
+    # On TensorFlow and torch, OrbaxCheckpoint saves scalars (the iteration counter, a float
+    # learning rate) as Python numbers.
     if hasattr(meta, "shape") and hasattr(meta, "dtype"):
-        return tuple(int(d) for d in meta.shape), keras.backend.standardize_dtype(meta.dtype)
+        return tuple(int(d) for d in meta.shape), standardize_dtype(meta.dtype)
     if isinstance(meta, (bool, int)):
         return (), "int64"
     if isinstance(meta, float):
@@ -90,7 +76,7 @@ def _shape_and_dtype(meta) -> tuple[tuple[int, ...], str]:
 
 def _same(saved: tuple, variable) -> bool:
     shape, dtype = saved
-    current = keras.backend.standardize_dtype(variable.dtype)
+    current = standardize_dtype(variable.dtype)
     if shape != tuple(int(d) for d in variable.shape):
         return False
     if shape == () and dtype.startswith("float") and current.startswith("float"):
@@ -99,40 +85,35 @@ def _same(saved: tuple, variable) -> bool:
 
 
 def _describe(shape, dtype) -> str:
-    return (
-        f"shape {tuple(int(d) for d in shape)} and dtype {keras.backend.standardize_dtype(dtype)}"
-    )
+    return f"shape {tuple(int(d) for d in shape)} and dtype {standardize_dtype(dtype)}"
 
 
 def checkpoint_differences(model, metadata: dict) -> list[str]:
     """What differs between a checkpoint's `pytree` metadata and `model` (and its optimizer)."""
     differences = []
-    groups = [
+    # A float learning rate is a variable, a schedule is not: switching on resume is
+    # legitimate (as with .keras files), so that variable may be missing on either side.
+    learning_rate = f"{model.optimizer.name}/learning_rate"
+    for group, variables in [
         ("trainable_variables", model.trainable_variables),
         ("non_trainable_variables", model.non_trainable_variables),
         ("optimizer_variables", model.optimizer.variables),
-    ]
-    # A float learning rate is a variable, a schedule is not: switching on resume is
-    # legitimate (as with .keras files), so that variable may be missing on either side.
-    optional = {f"{model.optimizer.name}/learning_rate"} if model.optimizer.variables else set()
-    for group, variables in groups:
+    ]:
         saved = _flatten(metadata.get(group))
         current = {v.path: v for v in variables}
-        if group == "optimizer_variables":
-            for path in optional:
-                if (path in saved) != (path in current):
-                    saved.pop(path, None)
-                    current.pop(path, None)
+        lr_saved, lr_here = learning_rate in saved, learning_rate in current
+        if group == "optimizer_variables" and variables and lr_saved != lr_here:
+            saved.pop(learning_rate, None)
+            current.pop(learning_rate, None)
         for path, variable in current.items():
+            here = _describe(variable.shape, variable.dtype)
             if path not in saved:
                 differences.append(
-                    f"{group}: this model has '{path}' with {_describe(variable.shape, variable.dtype)}, which the checkpoint lacks"
+                    f"{group}: this model has '{path}' with {here}, which the checkpoint lacks"
                 )
-                continue
-            meta = _shape_and_dtype(saved[path])
-            if not _same(meta, variable):
+            elif not _same(meta := _shape_and_dtype(saved[path]), variable):
                 differences.append(
-                    f"{group}: saved '{path}' with {_describe(*meta)} where this model has {_describe(variable.shape, variable.dtype)}"
+                    f"{group}: saved '{path}' with {_describe(*meta)} where this model has {here}"
                 )
         for path, meta in saved.items():
             if path not in current:
@@ -144,16 +125,15 @@ def checkpoint_differences(model, metadata: dict) -> list[str]:
 
 def load_checkpoint(model, directory) -> None:
     """Restore `model` (weights and optimizer state) from the latest step in a
-    `keras.callbacks.OrbaxCheckpoint` directory, after checking that every saved
-    variable has a place in `model` and its optimizer and every variable a saved value.
+    `keras.callbacks.OrbaxCheckpoint` directory, after checking that every saved variable
+    has a place in `model` and its optimizer and every variable a saved value.
 
-    Builds the optimizer first if needed (Keras's loaders skip the slots of an unbuilt
-    optimizer). On a mismatch raises a `ValueError` naming each difference and the
-    optimizer settings that differ, before anything is assigned. On JAX the arrays are
-    read onto the current variables' placements, with or without a distribution, so a
-    checkpoint of a multi-process or multi-device job restores onto any mesh (or a
-    single device) its shapes fit; where Orbax still cannot place them, a `ValueError`
-    says so and nothing is assigned.
+    Builds the optimizer first if needed (Keras's loaders skip an unbuilt optimizer's
+    slots). On a mismatch raises a `ValueError` naming each difference and the optimizer
+    settings that differ, before anything is assigned. On JAX the arrays are read onto the
+    current variables' placements, so a checkpoint of a multi-process or multi-device job
+    restores onto any mesh (or one device) its shapes fit; where Orbax still cannot place
+    them, a `ValueError` says so and nothing is assigned.
     """
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
@@ -167,35 +147,22 @@ def load_checkpoint(model, directory) -> None:
     metadata = _ocp().metadata(step_directory, checkpointable_name="pytree").metadata
     differences = checkpoint_differences(model, metadata)
     if differences:
-        shown = differences[:8]
-        more = (
-            f"\n  ... and {len(differences) - len(shown)} more"
-            if len(differences) > len(shown)
-            else ""
-        )
-        message = (
+        current = {"config": json.loads(json.dumps(optimizer.get_config(), default=repr))}
+        raise ValueError(
             f"Cannot restore the Orbax checkpoint {step_directory!r} into this model and its "
-            f"{type(optimizer).__name__} '{optimizer.name}': the saved variables differ:\n  "
-            + "\n  ".join(shown)
-            + more
-        )
-        saved_config = _saved_optimizer_config(root, step)
-        settings = _saving.config_differences(
-            {"config": saved_config},
-            {"config": json.loads(json.dumps(optimizer.get_config(), default=repr))},
-        )
-        if settings:
-            message += (
-                "\nThe saved optimizer was configured differently: " + "; ".join(settings) + "."
+            f"{type(optimizer).__name__} '{optimizer.name}': the saved variables differ:"
+            + _saving.listed(differences, 8)
+            + _saving.configured_differently(
+                {"config": _saved_optimizer_config(root, step)}, current
             )
-        message += (
-            "\nRecreate the model and optimizer as they were saved (same layer names, same optimizer "
+            + "\nRecreate the model and optimizer as they were saved (same layer names, same optimizer "
             "configuration) to resume. Nothing was loaded."
         )
-        raise ValueError(message)
     if keras.backend.backend() != "jax":
         model.load_weights(root)  # Keras reads the latest step
         return
+    import jax
+
     try:
         loaded = _ocp().load_checkpointables(
             step_directory, {"pytree": _abstract_tree(metadata, model.get_state_tree())}
@@ -203,33 +170,24 @@ def load_checkpoint(model, directory) -> None:
     except Exception as error:
         raise ValueError(
             f"Cannot restore the Orbax checkpoint {step_directory!r} onto this process's devices "
-            f"({_devices_here()}): {type(error).__name__}: {error}. Nothing was loaded."
+            f"({jax.process_count()} process(es), {len(jax.devices())} device(s)): "
+            f"{type(error).__name__}: {error}. Nothing was loaded."
         ) from error
     model.set_state_tree(loaded["pytree"])
 
 
 def _abstract_tree(metadata: dict, state: dict) -> dict:
-    """The checkpoint's arrays as `jax.ShapeDtypeStruct`s placed like this model's variables.
-
-    Keras's `model.load_weights` passes the current placements only under a
-    distribution; without one Orbax places each array as it was saved, which fails
-    wherever the saving devices do not exist here (a checkpoint of a 2-process or
-    8-device job restored on one device). With the placements always given, a
-    checkpoint restores onto any mesh (or none) its shapes fit. A saved array this model
-    has no variable for (a float learning rate where a schedule now stands, a metric it no
-    longer computes; Keras's `set_state_tree` skips those) is read onto this process's
-    first device.
-    """
+    """The checkpoint's arrays as `jax.ShapeDtypeStruct`s placed like this model's variables
+    (without a distribution Keras lets Orbax place them as saved, failing where those devices
+    are missing); one with no variable here (`set_state_tree` skips it) goes to the first device."""
     import jax
 
     here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
     def leaf(meta, ref):
         if isinstance(meta, dict):
-            return {
-                key: leaf(value, (ref or {}).get(key) if isinstance(ref, dict) else None)
-                for key, value in meta.items()
-            }
+            ref = ref if isinstance(ref, dict) else {}
+            return {key: leaf(value, ref.get(key)) for key, value in meta.items()}
         if hasattr(meta, "shape") and hasattr(meta, "dtype"):
             sharding = getattr(ref, "sharding", None)
             return jax.ShapeDtypeStruct(
@@ -238,9 +196,3 @@ def _abstract_tree(metadata: dict, state: dict) -> dict:
         return None
 
     return {key: leaf(value, state.get(key)) for key, value in metadata.items()}
-
-
-def _devices_here() -> str:
-    import jax
-
-    return f"{jax.process_count()} process(es), {len(jax.devices())} device(s)"
