@@ -22,13 +22,8 @@ def check_number(
     too_low = low is not None and (value <= low if low_open else value < low)
     too_high = high is not None and (value >= high if high_open else value > high)
     if too_low or too_high:
-        interval = (
-            ("(" if low_open else "[")
-            + ("-inf" if low is None else f"{low}")
-            + ", "
-            + ("inf" if high is None else f"{high}")
-            + (")" if high_open else "]")
-        )
+        low_end = f"{'(' if low_open else '['}{'-inf' if low is None else low}"
+        interval = f"{low_end}, {'inf' if high is None else high}{')' if high_open else ']'}"
         raise ValueError(f"Argument `{name}` must be in {interval}. Received: {name}={value!r}")
     return value
 
@@ -63,11 +58,8 @@ def check_choice(name: str, value, choices):
 
 
 def serialize_callable(argument: str, fn):
-    """A callable argument as its registered name, so configs load with `safe_mode=True`.
-
-    An unregistered callable could only be restored by deserializing bytecode
-    (`safe_mode=False`); rather than write such a file, say so now.
-    """
+    """A callable argument as its registered name, so configs load with `safe_mode=True`
+    (an unregistered one could only be restored from bytecode: refused now instead)."""
     if fn is None:
         return None
     try:
@@ -107,19 +99,11 @@ def check_base_arguments(**keywords):
         check_number("clipvalue", keywords.get("clipvalue"), low=0, low_open=True, allow_none=True)
     check_bool("use_ema", keywords.get("use_ema", False))
     check_number("ema_momentum", keywords.get("ema_momentum", 0.99), low=0, high=1)
-    check_int(
-        "ema_overwrite_frequency", keywords.get("ema_overwrite_frequency"), low=1, allow_none=True
-    )
-    check_int(
-        "gradient_accumulation_steps",
-        keywords.get("gradient_accumulation_steps"),
-        low=2,
-        allow_none=True,
-    )
+    for name, low in (("ema_overwrite_frequency", 1), ("gradient_accumulation_steps", 2)):
+        check_int(name, keywords.get(name), low=low, allow_none=True)
 
 
 def _current_layout_map():
-    """The LayoutMap of the current `keras.distribution`, or None (none set, or a backend without it)."""
     try:
         distribution = keras.distribution.distribution()
     except Exception:  # a backend without keras.distribution
@@ -128,10 +112,8 @@ def _current_layout_map():
 
 
 def check_layout_map(optimizer_class, name) -> None:
-    """Refuse a LayoutMap that would give the optimizer's scalars (`iteration`,
-    `learning_rate`) a sharded layout, before they are created: JAX would fail deep in
-    its sharding code with an IndexError. A broad key such as '.*embedding.*' matches
-    `embedding_adam/iteration` as well as the table."""
+    """Refuse a LayoutMap that shards the optimizer's scalars (JAX would fail deep in its
+    sharding code): a broad key such as '.*embedding.*' matches `embedding_adam/iteration`."""
     layouts = _current_layout_map()
     if layouts is None:
         return
@@ -139,9 +121,7 @@ def check_layout_map(optimizer_class, name) -> None:
         name = re.sub(r"(?<!^)(?=[A-Z])", "_", optimizer_class.__name__).lower()
     for variable in ("iteration", "learning_rate"):
         path = f"{name}/{variable}"
-        layout = layouts[path]
-        axes = tuple(getattr(layout, "axes", ()) or ())
-        if axes:
+        if axes := tuple(getattr(layouts[path], "axes", ()) or ()):
             raise ValueError(
                 f"The current distribution's LayoutMap gives {optimizer_class.__name__}'s scalar "
                 f"'{path}' the layout {axes}: one of its keys matches optimizer variables as well as "
@@ -152,31 +132,19 @@ def check_layout_map(optimizer_class, name) -> None:
 
 
 def check_slot_layouts(optimizer_class, planned) -> None:
-    """Refuse a LayoutMap key that lays out the optimizer's state apart from its model variable.
-
-    Our state follows each model variable's layout (a factored statistic keeps
-    the axes it keeps). A key that matches a state variable's path but not its
-    model variable's asks for a layout of the state's own, which the optimizer
-    would silently ignore (or which has the wrong rank): refused before any
-    variable is created. A key matching both (such as '.*kernel.*') is the model
-    variable's, and the state follows it.
-    """
+    """Refuse a LayoutMap key that matches a state variable but not its model variable: the
+    state follows its model variable's layout and would silently ignore (or mis-rank) it."""
     layouts = _current_layout_map()
     if layouts is None:
         return
     for slot in planned:
         keys = [key for key in layouts.keys() if re.fullmatch(key, slot.path)]
         keys = [key for key in keys if not re.fullmatch(key, slot.owner_path)]
-        if not keys:
-            continue
-        requested = tuple(getattr(layouts[keys[0]], "axes", ()) or ())
+        requested = tuple(getattr(layouts[keys[0]], "axes", ()) or ()) if keys else slot.axes
         if requested == slot.axes:
             continue
-        rank = (
-            ""
-            if len(requested) == len(slot.shape)
-            else f" (rank {len(requested)} for a rank-{len(slot.shape)} variable)"
-        )
+        rank = f" (rank {len(requested)} for a rank-{len(slot.shape)} variable)"
+        rank = "" if len(requested) == len(slot.shape) else rank
         raise ValueError(
             f"The current distribution's LayoutMap key {keys[0]!r} gives {optimizer_class.__name__}'s state "
             f"'{slot.path}' of shape {slot.shape} the layout {requested}{rank}, but it does not match the model "

@@ -1,10 +1,5 @@
-"""Optimizer state created per model variable, with the owner and role recorded at creation.
-
-The saved-state signature (`_saving`) describes each optimizer variable by its
-role (`row_second_moment`, `momenta`, ...) and the model variable it belongs
-to. Both are known when the slot is made, so they are recorded then, not
-parsed back from names.
-"""
+"""Optimizer state created per model variable, with the owner and role recorded at creation
+for the saved-state signature (`_saving`), rather than parsed back from names later."""
 
 from __future__ import annotations
 
@@ -30,10 +25,8 @@ class PlannedSlot(NamedTuple):
 
 @contextlib.contextmanager
 def planning(optimizer):
-    """Within, `add_slot` creates nothing: it records a `PlannedSlot` in the list yielded.
-
-    Lets `build` check the slots' layouts before any variable exists.
-    """
+    """Within, `add_slot` creates nothing but records a `PlannedSlot` in the list yielded, so
+    that `build` can check the slots' layouts before any variable exists."""
     plan = []
     optimizer.__dict__[_PLAN_ATTRIBUTE] = plan
     try:
@@ -50,8 +43,7 @@ def variable_path(variable) -> str:
 
 def record_role(optimizer, state_variable, owner_index, role: str) -> None:
     """Remember that `state_variable` is the `role` of the model variable at `owner_index`."""
-    roles = optimizer.__dict__.setdefault(_ROLES_ATTRIBUTE, {})
-    roles[id(state_variable)] = (owner_index, role)
+    optimizer.__dict__.setdefault(_ROLES_ATTRIBUTE, {})[id(state_variable)] = (owner_index, role)
 
 
 def role_of(optimizer, state_variable):
@@ -60,11 +52,8 @@ def role_of(optimizer, state_variable):
 
 
 def record_keras_roles(optimizer) -> None:
-    """Record the roles of the state Keras's base `build` creates: EMA averages and gradient accumulators.
-
-    Keras keeps both as lists aligned with the model variables (None where a
-    variable has none).
-    """
+    """Record the roles of the EMA averages and gradient accumulators of Keras's base `build`
+    (lists aligned with the model variables, None where a variable has none)."""
     for role, variables in (
         ("average", _private.moving_averages(optimizer)),
         ("gradient_accumulator", _private.gradient_accumulators(optimizer)),
@@ -77,13 +66,9 @@ def record_keras_roles(optimizer) -> None:
 def add_slot(optimizer, variable, slot_name: str, kept_axes=None, dtype: str = "float32"):
     """A zero-initialised optimizer variable named and laid out after `variable`.
 
-    Args:
-        kept_axes: the axes of `variable` the slot keeps (None: all of them, a
-            full-size slot). Factored statistics keep all but one axis, and
-            under `keras.distribution` they are sharded along the axes they
-            keep, like the variable.
-        dtype: slots are float32 by default whatever the variable's dtype, so
-            the statistics of bf16/fp16 variables do not underflow.
+    `kept_axes`: the axes of `variable` the slot keeps (None: all), sharded like the
+    variable's under `keras.distribution`. float32 by default whatever the variable's dtype,
+    so that the statistics of bf16/fp16 variables do not underflow.
     """
     axes = range(len(variable.shape)) if kept_axes is None else kept_axes
     shape = tuple(variable.shape[i] for i in axes)
@@ -91,14 +76,9 @@ def add_slot(optimizer, variable, slot_name: str, kept_axes=None, dtype: str = "
     layout = _kept_layout(_private.variable_layout(variable), axes)
     plan = optimizer.__dict__.get(_PLAN_ATTRIBUTE)
     if plan is not None:
-        layout_axes = getattr(layout, "axes", None)
+        planned_axes = tuple(getattr(layout, "axes", None) or (None,) * len(shape))
         plan.append(
-            PlannedSlot(
-                f"{optimizer.name}/{name}",
-                shape,
-                tuple(layout_axes or (None,) * len(shape)),
-                variable_path(variable),
-            )
+            PlannedSlot(f"{optimizer.name}/{name}", shape, planned_axes, variable_path(variable))
         )
         return None
     slot = optimizer.add_variable(
@@ -109,9 +89,6 @@ def add_slot(optimizer, variable, slot_name: str, kept_axes=None, dtype: str = "
 
 
 def _kept_layout(layout, axes):
-    """The variable's layout restricted to `axes`, when it is a Keras TensorLayout."""
-    if layout is None:
-        return None
     layout_axes = getattr(layout, "axes", None)
     if layout_axes is None:
         return layout if list(axes) == list(range(len(axes))) else None
