@@ -1,8 +1,5 @@
-"""What both TPU exports share: the options no engine can honour, and the learning rate.
-
-Backend-neutral (`keras.ops` only), so both `tpu/tensorflow.py` and
-`tpu/jax.py` use it.
-"""
+"""What both TPU exports share (in `keras.ops` only): the options no engine can honour, and
+the learning rate."""
 
 from __future__ import annotations
 
@@ -21,12 +18,8 @@ def unsupported_option(option: str, value, why: str) -> ValueError:
 
 
 def check_keras_options(optimizer, engine: str) -> None:
-    """Raise a ValueError naming the first Keras base option the TPU engine cannot honour.
-
-    The engine sees one table's gradient at a time and keeps only the table
-    and its slots, so anything that needs the whole gradient, a second copy
-    of the weights, or the loss's scale is out of its reach.
-    """
+    """Refuse the first Keras base option the engine cannot honour: it sees one table's
+    gradient at a time and keeps only the table and its slots."""
     if optimizer.clipnorm is not None:
         raise unsupported_option(
             "clipnorm",
@@ -67,12 +60,8 @@ def check_keras_options(optimizer, engine: str) -> None:
 
 
 def check_row_options(optimizer, engine: str) -> None:
-    """Raise a ValueError naming the first of EmbeddingAdam's own row options the engine cannot express.
-
-    Both engines keep slots of the table's shape and apply one learning rate
-    to every row of a step: a rowwise second moment (a `(rows,)` slot) and a
-    per-row step count are outside what either can hold or compute.
-    """
+    """Refuse the first row option neither engine can express: both keep slots of the table's
+    shape and apply one learning rate to every row of a step."""
     if optimizer.second_moment != "full":
         raise unsupported_option(
             "second_moment",

@@ -1,17 +1,15 @@
 """Export to JAX SparseCore (`jax_tpu_embedding`, and keras-rs's `DistributedEmbedding` on JAX).
 
-SparseCore runs a custom optimizer as a per-row JAX function: `jax_tpu_embedding`
-traces it with `jax.make_jaxpr` on `[1, dim]` float32 rows in the order
-`(grad, table, *slots, *hyperparameters)` -- the hyperparameters too are traced
-as `[1, dim]` rows, though it passes them as scalars -- and expects
-`(table, *slots)` back. Ours is `EmbeddingAdam`'s own `row_update`, with the
-static options baked in and the bias-corrected learning rate as the only
-hyperparameter.
+SparseCore traces a custom optimizer on `[1, dim]` float32 rows `(grad, table, *slots,
+*hyperparameters)` (hyperparameters too, though it passes scalars) and expects `(table,
+*slots)` back: ours is `EmbeddingAdam`'s `row_update`, the bias-corrected learning rate its
+only hyperparameter.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 from jax_tpu_embedding.sparsecore.lib.nn import embedding_spec
@@ -24,12 +22,8 @@ _ENGINE = "SparseCore embedding engine"
 
 @dataclasses.dataclass(frozen=True)
 class RowUpdateComputation:
-    """The per-row custom computation: `(grad, table, momenta, velocities, learning_rate)`.
-
-    A frozen dataclass rather than a closure so that two exports with the
-    same options hash and compare equal: `jax_tpu_embedding` stacks only
-    tables whose optimizer specs are equal.
-    """
+    """The per-row computation; a frozen dataclass, not a closure, so that exports with the
+    same options compare equal (`jax_tpu_embedding` stacks only tables with equal specs)."""
 
     options: adam_math.RowUpdateOptions
 
@@ -39,26 +33,16 @@ class RowUpdateComputation:
         )
 
 
+@dataclasses.dataclass(frozen=True)
 class BiasCorrectedLearningRate:
-    """The SparseCore learning rate: `lr_t` as a function of the engine's step count.
+    """`lr_t` at the engine's step count: the updates already applied (keras-rs counts from 0,
+    like `optimizer.iterations`), so the bias correction uses `t = step + 1`. Equal for the
+    same optimizer, so that exporting it once per table still lets tables stack."""
 
-    `step` is the number of updates already applied (keras-rs passes its own
-    counter, starting at 0, like `optimizer.iterations`): the Keras schedule is
-    evaluated at `step` and the bias correction uses `t = step + 1`.
-    """
-
-    def __init__(self, optimizer):
-        self.optimizer = optimizer
+    optimizer: Any
 
     def __call__(self, step):
         return _export.bias_corrected_learning_rate_at(self.optimizer, step)
-
-    # Equal for the same optimizer, so exporting it once per table still lets tables stack.
-    def __eq__(self, other):
-        return isinstance(other, BiasCorrectedLearningRate) and other.optimizer is self.optimizer
-
-    def __hash__(self):
-        return hash((BiasCorrectedLearningRate, id(self.optimizer)))
 
     def __repr__(self):
         return f"BiasCorrectedLearningRate({self.optimizer.name!r})"

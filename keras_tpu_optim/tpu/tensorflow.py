@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import tensorflow as tf
-from tensorflow.core.protobuf.tpu import optimization_parameters_pb2
+from tensorflow.core.protobuf.tpu import optimization_parameters_pb2 as pb
 
 from keras_tpu_optim.tpu import _export
 
@@ -11,19 +11,12 @@ _ENGINE = "TPU embedding engine"
 
 
 class TPUEmbeddingAdam(tf.tpu.experimental.embedding.Adam):
-    """`tf.tpu.experimental.embedding.Adam` whose configuration proto builds with protobuf >= 5.
+    """`tf.tpu.experimental.embedding.Adam` whose configuration proto builds with protobuf >= 5:
+    TF's own assigns a bool to the enum `low_dimensional_packing_status`, which protobuf 5+
+    rejects. Everything else is TF's Adam."""
 
-    TF's own `_set_optimization_parameters` assigns the bool
-    `low_dimensional_packing_status` to an enum field, which protobuf 5+
-    rejects with a TypeError (TF 2.21 with protobuf 7). This subclass writes
-    the same fields, with the enum set as an enum. Everything else (slots,
-    load/retrieve ops, `isinstance` checks in TF and keras-rs) is TF's Adam.
-    """
-
-    def _set_optimization_parameters(
-        self, parameters: optimization_parameters_pb2.OptimizationParameters
-    ) -> None:
-        accumulation = optimization_parameters_pb2.GradientAccumulationStatus
+    def _set_optimization_parameters(self, parameters: pb.OptimizationParameters) -> None:
+        accumulation = pb.GradientAccumulationStatus
         parameters.gradient_accumulation_status = (
             accumulation.ENABLED if self.use_gradient_accumulation else accumulation.DISABLED
         )
@@ -39,7 +32,7 @@ class TPUEmbeddingAdam(tf.tpu.experimental.embedding.Adam):
             parameters.weight_decay_factor = self.weight_decay_factor
             if self.multiply_weight_decay_factor_by_learning_rate:
                 parameters.multiply_weight_decay_factor_by_learning_rate = True
-        packing = optimization_parameters_pb2.LowDimensionalPackingStatus
+        packing = pb.LowDimensionalPackingStatus
         parameters.low_dimensional_packing_status = (
             packing.ENABLED if self.low_dimensional_packing_status else packing.DISABLED
         )
@@ -51,12 +44,8 @@ class TPUEmbeddingAdam(tf.tpu.experimental.embedding.Adam):
 
 
 class BiasCorrectedLearningRate:
-    """The TPU's dynamic learning rate: `lr_t` of the coming step, read from the Keras optimizer.
-
-    A zero-argument callable, evaluated by the engine inside each training
-    step (`TPUEmbedding.apply_gradients`), so it follows the optimizer's
-    schedule and `iterations`.
-    """
+    """`lr_t` of the coming step, called by the engine in each training step
+    (`TPUEmbedding.apply_gradients`), so it follows the optimizer's schedule and `iterations`."""
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
@@ -73,10 +62,10 @@ def to_tpu_embedding(optimizer) -> TPUEmbeddingAdam:
     _export.check_keras_options(optimizer, _ENGINE)
     _export.check_row_options(optimizer, _ENGINE)
     options = optimizer._row_update_options()
-    has_decay = options.weight_decay_factor is not None
-    has_gradient_clip = (
-        options.gradient_clip_min is not None or options.gradient_clip_max is not None
-    )
+    decay = options.weight_decay_factor
+    # Without decay both stay None: TPUEmbeddingV2 refuses a table whose multiply flag is merely False.
+    multiply = None if decay is None else options.multiply_weight_decay_factor_by_learning_rate
+    clip = (options.gradient_clip_min, options.gradient_clip_max)
     return TPUEmbeddingAdam(
         learning_rate=BiasCorrectedLearningRate(optimizer),
         beta_1=options.beta_1,
@@ -87,14 +76,9 @@ def to_tpu_embedding(optimizer) -> TPUEmbeddingAdam:
         use_gradient_accumulation=optimizer.use_gradient_accumulation,
         clip_weight_min=options.clip_weight_min,
         clip_weight_max=options.clip_weight_max,
-        # Without decay both stay None: TPUEmbeddingV2 refuses a table whose multiply flag is merely False.
-        weight_decay_factor=options.weight_decay_factor,
-        multiply_weight_decay_factor_by_learning_rate=(
-            options.multiply_weight_decay_factor_by_learning_rate if has_decay else None
-        ),
+        weight_decay_factor=decay,
+        multiply_weight_decay_factor_by_learning_rate=multiply,
         slot_variable_creation_fn=optimizer.slot_variable_creation_fn,
-        clipvalue=(options.gradient_clip_min, options.gradient_clip_max)
-        if has_gradient_clip
-        else None,
+        clipvalue=None if clip == (None, None) else clip,
         low_dimensional_packing_status=optimizer.low_dimensional_packing_status,
     )
