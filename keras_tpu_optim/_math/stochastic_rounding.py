@@ -1,19 +1,15 @@
 """Stochastic rounding of float32 values to bfloat16/float16, identical bit for bit on every backend.
 
-`stochastic_round(x, dtype, ...)` rounds each float32 element to one of its
-two neighbours in `dtype`, up with probability `(x - lower) / (upper - lower)`,
-so that the expected result is `x` (docs/algorithms.md#stochastic-rounding).
-The random bits come from a counter-based hash of `(seed, step, variable
-index, element index)`: no random-number state, nothing to save besides the
-seed, and the same bits wherever the same float32 values are rounded.
-
-Integer `keras.ops` only, on int32: torch lacks most uint32 arithmetic, so
-multiplications wrap around in int32 (two's complement, the same bits as
-uint32) and right shifts are arithmetic shifts with the sign-extended bits
-masked off. TF, JAX, torch (and numpy) give the same bits.
+Each element rounds up with probability `(x - lower) / (upper - lower)`, so the expected
+result is `x` (docs/algorithms.md#stochastic-rounding). The random bits are a counter-based
+hash of `(seed, step, variable index, element index)`: no random-number state to save.
+Integer `keras.ops` on int32 only, since torch lacks most uint32 arithmetic: products wrap
+around (the same bits as uint32) and right shifts mask off the sign-extended bits.
 """
 
 from __future__ import annotations
+
+import math
 
 import keras
 from keras import ops
@@ -48,22 +44,16 @@ def _mix(h):
 
 
 def random_bits(shape, seed, step, variable_index, offset=0):
-    """32 random bits per element (int32 of `shape`): a hash of `(seed, step, variable_index, element index)`.
-
-    `seed` is an int in `[0, 2^31)`, `step` an integer scalar (tensor or int;
-    it wraps modulo 2^32), `variable_index` an integer scalar; the element
-    index is the row-major position in `shape`, plus `offset` (an int: the
-    position of the first element of a block of a larger variable).
+    """32 random bits per element (int32 of `shape`): a hash of `(seed, step, variable_index,
+    element index)`, `seed` in `[0, 2^31)`, `step` wrapping modulo 2^32; the element index is
+    the row-major position in `shape` plus `offset` (a block's start in a larger variable).
     """
     key = _mix(_int32(seed))
     key = _mix(ops.bitwise_xor(key, ops.add(_int32(step), _int32(_STEP_SALT))))
     key = _mix(ops.bitwise_xor(key, ops.add(_int32(variable_index), _int32(_VARIABLE_SALT))))
-    size = 1
-    for dim in shape:
-        size *= int(dim)
-    index = ops.reshape(
-        ops.arange(int(offset), int(offset) + size, dtype="int32"), tuple(int(d) for d in shape)
-    )
+    shape = tuple(int(d) for d in shape)
+    index = ops.arange(int(offset), int(offset) + math.prod(shape), dtype="int32")
+    index = ops.reshape(index, shape)
     h = _mix(ops.add(ops.multiply(index, _int32(_GOLDEN)), key))
     # A second round keyed apart from the first (with `key + _GOLDEN` here,
     # element 1 would cancel to 0 under every key).
@@ -71,13 +61,8 @@ def random_bits(shape, seed, step, variable_index, offset=0):
 
 
 def _round_low_bits(x, bits, dropped: int):
-    """Round float32 `x` to the float32 values whose low `dropped` mantissa bits are 0, stochastically.
-
-    Adding `r` uniform in `[0, 2^dropped)` to the bit pattern and clearing the
-    low bits carries into the kept bits with probability `low bits / 2^dropped`:
-    the magnitude rounds up exactly that often (sign and magnitude are
-    separate in IEEE floats, so negatives round symmetrically).
-    """
+    """`x` rounded stochastically to the float32s whose low `dropped` mantissa bits are 0: noise
+    below 2^dropped carries into the kept bits with probability `low bits / 2^dropped`."""
     pattern = ops.view(x, "int32")
     noise = ops.bitwise_and(bits, _int32((1 << dropped) - 1))
     rounded = ops.bitwise_and(ops.add(pattern, noise), _int32(-(1 << dropped)))
@@ -87,24 +72,18 @@ def _round_low_bits(x, bits, dropped: int):
 def stochastic_round(x, dtype, *, seed, step, variable_index, shape=None, offset=0):
     """float32 `x` rounded stochastically and without bias to `dtype` (`bfloat16`, `float16`).
 
-    Every result is one of the two `dtype` values nearest `x` (`x` itself if
-    representable); infinities pass through, NaN stays NaN. Values beyond `dtype`'s
-    largest finite value may round to infinity, as with round-to-nearest.
-    float16's subnormal range (`|x| < 2^-14`, spacing 2^-24) is rounded by
-    arithmetic on `|x| * 2^24`, unbiased for every `x` that is a multiple of
-    2^-48. float32 subnormal inputs are not promised identical bits (some
-    backends flush them to zero). Any other `dtype` is a plain cast. `shape`
-    is `x`'s static shape where `x.shape` may not be fully known; `offset`
-    the element index of `x`'s first element when `x` is a row-major block
-    of a larger variable (its elements get that variable's random bits).
+    One of the two `dtype` values nearest `x`; infinities and NaN pass through, values beyond
+    `dtype`'s range may round to infinity.
+    float16 subnormals (`|x| < 2^-14`) are rounded on `|x| * 2^24`, unbiased for multiples of
+    2^-48; float32 subnormal inputs may differ in bits (some backends flush them). Other
+    dtypes are a plain cast. `shape`: `x`'s static shape if `x.shape` is not fully known;
+    `offset`: as in `random_bits`.
     """
     dtype = keras.backend.standardize_dtype(dtype)
     if dtype not in ("bfloat16", "float16"):
         return ops.cast(x, dtype)
     x = ops.cast(x, "float32")
-    bits = random_bits(
-        tuple(x.shape) if shape is None else tuple(shape), seed, step, variable_index, offset
-    )
+    bits = random_bits(x.shape if shape is None else shape, seed, step, variable_index, offset)
     if dtype == "bfloat16":
         rounded = _round_low_bits(x, bits, 16)
     else:
