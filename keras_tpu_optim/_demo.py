@@ -1,24 +1,30 @@
 """The demo behind `python -m keras_tpu_optim`: what the package buys, in a couple of minutes.
 
-Part 1 trains a small transformer language model with keras_tpu_optim.Adafactor,
-keras.optimizers.Adafactor and keras.optimizers.Adam for the same steps, and
-compares loss, optimizer-state bytes and time per step. Part 2 trains a
-recommender with a 1M-row embedding table: its tables as
-`keras_tpu_optim.layers.Embedding`, trained in the lookup by EmbeddingAdam
-(TPU-style global bias correction, and `bias_correction="per_row"`); beside it,
-Keras's tables trained by EmbeddingAdam as the model's optimizer (the dense
-gradient of JAX's and torch's `fit`) and by keras.optimizers.Adam. It compares
-time per step, the loss against steps and against wall-clock time, the final
-metric and how many rows each step touched. Everything runs on synthetic data
-generated in-process; the summary goes to the terminal and a PNG figure.
+Part 1 trains a small transformer LM with keras_tpu_optim.Adafactor, keras.optimizers.Adafactor
+and keras.optimizers.Adam. Part 2 trains a recommender with a 1M-row table, trained in the
+lookup by EmbeddingAdam (`keras_tpu_optim.layers.Embedding`, global and per-row bias
+correction), by EmbeddingAdam as the model's optimizer, and by keras.optimizers.Adam. All data
+is synthetic; the summary goes to the terminal and a PNG figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
+
+# The tables trained in the lookup (`layers.Embedding`) by EmbeddingAdam, and with its per-row bias correction.
+LAYER = "keras_tpu_optim.layers.Embedding"
+PER_ROW = "keras_tpu_optim.layers.Embedding(per_row)"
+
+# Why Keras's optimizers' numbers on TensorFlow are not those of JAX, torch or the dense gradient.
+TF_SPARSE_NOTE = (
+    "Note: on TensorFlow, Keras's Adafactor and Adam square an embedding's tf.IndexedSlices gradient before "
+    "summing its duplicate ids, so their numbers here differ from Keras's on JAX and torch and from the dense "
+    "gradient's; keras_tpu_optim's are the dense gradient's."
+)
 
 
 def _parse(argv):
@@ -26,67 +32,38 @@ def _parse(argv):
         prog="python -m keras_tpu_optim",
         description="Train a small LM and a recommender with keras_tpu_optim and Keras's optimizers, side by side.",
     )
-    parser.add_argument(
+    add = parser.add_argument
+    add(
         "--backend",
         choices=["tensorflow", "jax", "torch"],
-        default=None,
         help="Keras backend (default: KERAS_BACKEND, else Keras's default)",
     )
-    parser.add_argument(
-        "--steps",
-        type=int,
-        default=None,
-        help="training steps per optimizer (default 60; 3 with --quick)",
-    )
-    parser.add_argument(
-        "--out", default="keras_tpu_optim_demo.png", help="where to write the PNG figure"
-    )
-    parser.add_argument(
-        "--quick", action="store_true", help="tiny models and a few steps (what the tests run)"
-    )
+    add("--steps", type=int, help="training steps per optimizer (default 60; 3 with --quick)")
+    add("--out", default="keras_tpu_optim_demo.png", help="where to write the PNG figure")
+    add("--quick", action="store_true", help="tiny models and a few steps (what the tests run)")
     return parser.parse_args(argv)
 
 
-class _StepTimer:
-    """Per-batch loss and wall time, as a Keras callback (built lazily: keras is imported late)."""
-
-    @staticmethod
-    def make():
-        import keras
-
-        class StepTimer(keras.callbacks.Callback):
-            def __init__(self):
-                super().__init__()
-                self.losses, self.seconds, self.elapsed = [], [], []
-
-            def on_train_batch_begin(self, batch, logs=None):
-                self._start = time.perf_counter()
-
-            def on_train_batch_end(self, batch, logs=None):
-                self.seconds.append(time.perf_counter() - self._start)
-                # Wall-clock training time after the first step (which compiles).
-                self.elapsed.append(sum(self.seconds[1:]))
-                self.losses.append(float(logs["loss"]))
-
-        return StepTimer()
-
-
-def _state_bytes(optimizer):
+def _train(label, model, optimizer, x, y, batch, **compile_args):
+    """Fit `model` for one epoch, timing each step; the history and what both parts report."""
     import keras
     import numpy as np
 
-    return sum(
-        int(np.prod(v.shape)) * np.dtype(keras.backend.standardize_dtype(v.dtype)).itemsize
-        for v in optimizer.variables
-    )
+    class StepTimer(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self._start = time.perf_counter()
 
+        def on_train_batch_end(self, batch, logs=None):
+            seconds.append(time.perf_counter() - self._start)
+            elapsed.append(sum(seconds[1:]))  # wall-clock time after the first (compiling) step
+            losses.append(float(logs["loss"]))
 
-def _median_step_ms(seconds):
-    import numpy as np
-
-    # The first step compiles; report the steady state.
-    steady = seconds[1:] or seconds
-    return float(np.median(steady)) * 1000
+    losses, seconds, elapsed = [], [], []
+    model.compile(optimizer=optimizer, **compile_args)
+    history = model.fit(x, y, batch_size=batch, shuffle=False, callbacks=[StepTimer()], verbose=1)
+    step_ms = float(np.median(seconds[1:] or seconds)) * 1000  # the first step compiles
+    result = {"label": label, "losses": losses, "elapsed": elapsed, "final_loss": losses[-1]}
+    return history, {**result, "step_ms": step_ms}
 
 
 def _language_model(quick, steps):
@@ -95,9 +72,8 @@ def _language_model(quick, steps):
 
     import keras_tpu_optim as kto
 
-    vocab, seq, width, heads, blocks, batch = (
-        (96, 16, 32, 2, 1, 8) if quick else (2000, 64, 128, 4, 2, 32)
-    )
+    vocab, seq, width = (96, 16, 32) if quick else (2000, 64, 128)
+    heads, blocks, batch = (2, 1, 8) if quick else (4, 2, 32)
     rng = np.random.default_rng(0)
     # A random bigram language: each token has 4 likely successors, so there is something to learn.
     successors = rng.integers(0, vocab, size=(vocab, 4))
@@ -105,17 +81,14 @@ def _language_model(quick, steps):
     tokens[:, 0] = rng.integers(0, vocab, size=len(tokens))
     for t in range(seq):
         tokens[:, t + 1] = successors[tokens[:, t], rng.integers(0, 4, size=len(tokens))]
-    inputs_np, targets_np = tokens[:, :-1], tokens[:, 1:]
 
     def build():
         keras.utils.set_random_seed(0)
         inputs = keras.Input((seq,), dtype="int32")
         x = keras.layers.Embedding(vocab, width)(inputs)
         for _ in range(blocks):
-            attended = keras.layers.MultiHeadAttention(heads, width // heads)(
-                x, x, use_causal_mask=True
-            )
-            x = keras.layers.LayerNormalization()(x + attended)
+            attention = keras.layers.MultiHeadAttention(heads, width // heads)
+            x = keras.layers.LayerNormalization()(x + attention(x, x, use_causal_mask=True))
             hidden = keras.layers.Dense(4 * width, activation="gelu")(x)
             x = keras.layers.LayerNormalization()(x + keras.layers.Dense(width)(hidden))
         return keras.Model(inputs, keras.layers.Dense(vocab)(x), name="tiny_lm")
@@ -127,31 +100,16 @@ def _language_model(quick, steps):
         ("keras.optimizers.Adam", lambda: keras.optimizers.Adam(1e-3)),
     ]:
         print(f"\n[LM] {label}")
-        model, optimizer, timer = build(), make(), _StepTimer.make()
-        model.compile(
-            optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        model, optimizer = build(), make()
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        _, result = _train(label, model, optimizer, tokens[:, :-1], tokens[:, 1:], batch, loss=loss)
+        param_bytes = 4 * sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+        state_bytes = sum(
+            int(np.prod(v.shape)) * np.dtype(keras.backend.standardize_dtype(v.dtype)).itemsize
+            for v in optimizer.variables
         )
-        model.fit(
-            inputs_np,
-            targets_np,
-            batch_size=batch,
-            epochs=1,
-            shuffle=False,
-            callbacks=[timer],
-            verbose=1,
-        )
-        params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
-        results.append(
-            dict(
-                label=label,
-                losses=timer.losses,
-                elapsed=timer.elapsed,
-                final_loss=timer.losses[-1],
-                state_bytes=_state_bytes(optimizer),
-                param_bytes=4 * params,
-                step_ms=_median_step_ms(timer.seconds),
-            )
-        )
+        result.update(state_bytes=state_bytes, state_ratio=state_bytes / param_bytes)
+        results.append(result)
     return results
 
 
@@ -179,74 +137,36 @@ def _recommender(quick, steps):
         keras.utils.set_random_seed(0)
         user = keras.Input((), dtype="int32", name="user")
         item = keras.Input((), dtype="int32", name="item")
-        if table_optimizer is None:
-            u = keras.layers.Embedding(users, dim, name="user_table")(user)
-            v = keras.layers.Embedding(items, dim, name="item_table")(item)
-        else:
-            u = kto.layers.Embedding(users, dim, optimizer=table_optimizer(), name="user_table")(
-                user
-            )
-            v = kto.layers.Embedding(items, dim, optimizer=table_optimizer(), name="item_table")(
-                item
-            )
+        u, v = (
+            keras.layers.Embedding(rows, dim, name=name)(ids)
+            if table_optimizer is None
+            else kto.layers.Embedding(rows, dim, optimizer=table_optimizer(), name=name)(ids)
+            for rows, name, ids in ((users, "user_table", user), (items, "item_table", item))
+        )
         logit = keras.layers.Dense(1)(keras.layers.Concatenate()([u, v, u * v]))
         return keras.Model({"user": user, "item": item}, logit, name="recommender")
 
     touched = [len(np.unique(user_ids[i * batch : (i + 1) * batch])) for i in range(steps)]
     results = []
+    adam = functools.partial(keras.optimizers.Adam, 0.01)
     for label, table_optimizer, make in [
-        (LAYER, lambda: kto.EmbeddingAdam(0.01), lambda: keras.optimizers.Adam(0.01)),
-        (
-            PER_ROW,
-            lambda: kto.EmbeddingAdam(0.01, bias_correction="per_row"),
-            lambda: keras.optimizers.Adam(0.01),
-        ),
+        (LAYER, lambda: kto.EmbeddingAdam(0.01), adam),
+        (PER_ROW, lambda: kto.EmbeddingAdam(0.01, bias_correction="per_row"), adam),
         ("keras_tpu_optim.EmbeddingAdam", None, lambda: kto.EmbeddingAdam(0.01)),
-        ("keras.optimizers.Adam", None, lambda: keras.optimizers.Adam(0.01)),
+        ("keras.optimizers.Adam", None, adam),
     ]:
         print(f"\n[Recommender, {users:,}-row table] {label}")
-        model, optimizer, timer = build(table_optimizer), make(), _StepTimer.make()
-        model.compile(
-            optimizer=optimizer,
-            loss=keras.losses.BinaryCrossentropy(from_logits=True),
-            metrics=[keras.metrics.BinaryAccuracy(threshold=0.0)],
+        model, optimizer = build(table_optimizer), make()
+        loss = keras.losses.BinaryCrossentropy(from_logits=True)
+        metrics = [keras.metrics.BinaryAccuracy(threshold=0.0)]
+        inputs = {"user": user_ids, "item": item_ids}
+        history, result = _train(
+            label, model, optimizer, inputs, clicks, batch, loss=loss, metrics=metrics
         )
-        history = model.fit(
-            {"user": user_ids, "item": item_ids},
-            clicks,
-            batch_size=batch,
-            epochs=1,
-            shuffle=False,
-            callbacks=[timer],
-            verbose=1,
-        )
-        results.append(
-            dict(
-                label=label,
-                losses=timer.losses,
-                elapsed=timer.elapsed,
-                final_loss=timer.losses[-1],
-                accuracy=float(history.history["binary_accuracy"][-1]),
-                step_ms=_median_step_ms(timer.seconds),
-                rows_updated=float(np.mean(touched))
-                if "keras_tpu_optim" in label
-                else float(users),
-            )
-        )
+        result["accuracy"] = float(history.history["binary_accuracy"][-1])
+        result["rows_updated"] = float(np.mean(touched) if "keras_tpu_optim" in label else users)
+        results.append(result)
     return results, users, touched
-
-
-# The tables trained in the lookup (`layers.Embedding`) by EmbeddingAdam, and with its per-row bias correction.
-LAYER = "keras_tpu_optim.layers.Embedding"
-PER_ROW = "keras_tpu_optim.layers.Embedding(per_row)"
-
-
-# Why Keras's optimizers' numbers on TensorFlow are not those of JAX, torch or the dense gradient.
-TF_SPARSE_NOTE = (
-    "Note: on TensorFlow, Keras's Adafactor and Adam square an embedding's tf.IndexedSlices gradient before "
-    "summing its duplicate ids, so their numbers here differ from Keras's on JAX and torch and from the dense "
-    "gradient's; keras_tpu_optim's are the dense gradient's."
-)
 
 
 def _short(label):
@@ -259,45 +179,32 @@ def _figure(path, lm, rec, backend):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {
-        "ours": "C0",
-        "keras Adafactor": "C1",
-        "keras Adam": "C2",
-        _short(PER_ROW): "C3",
-        _short(LAYER): "C4",
-    }
-    color = lambda label: colors.get(label, colors["ours"] if label.startswith("ours") else None)  # noqa: E731
+    ordered = ["ours", "keras Adafactor", "keras Adam", _short(PER_ROW), _short(LAYER)]
+    colors = {label: f"C{i}" for i, label in enumerate(ordered)}
     fig, axes = plt.subplots(2, 4, figsize=(21, 8))
-    for r in lm:
-        axes[0, 0].plot(r["losses"], label=_short(r["label"]), color=color(_short(r["label"])))
-    axes[0, 0].set(title="Language model: training loss", xlabel="step", ylabel="loss")
-    axes[0, 0].legend()
-    lm_names = [_short(r["label"]) for r in lm]
-    lm_colors = [color(n) for n in lm_names]
-    axes[0, 1].bar(lm_names, [r["state_bytes"] / r["param_bytes"] for r in lm], color=lm_colors)
-    axes[0, 1].set(title="LM: optimizer state / parameter bytes", yscale="log")
-    axes[0, 2].bar(lm_names, [r["step_ms"] for r in lm], color=lm_colors)
-    axes[0, 2].set(title="LM: median time per step (ms)")
-    for r in rec:
-        axes[1, 0].plot(r["losses"], label=_short(r["label"]), color=color(_short(r["label"])))
-    axes[1, 0].set(title="Recommender: training loss", xlabel="step", ylabel="loss")
-    axes[1, 0].legend()
-    rec_names = [_short(r["label"]) for r in rec]
-    rec_colors = [color(n) for n in rec_names]
-    axes[1, 1].bar(rec_names, [r["step_ms"] for r in rec], color=rec_colors)
-    axes[1, 1].set(title="Recommender: median time per step (ms)")
-    axes[1, 2].bar(rec_names, [r["rows_updated"] for r in rec], color=rec_colors)
-    axes[1, 2].set(title="Recommender: user-table rows updated per step", yscale="log")
+    bars = (
+        ("state_ratio", "LM: optimizer state / parameter bytes", "log"),
+        ("step_ms", "LM: median time per step (ms)", None),
+        ("step_ms", "Recommender: median time per step (ms)", None),
+        ("rows_updated", "Recommender: user-table rows updated per step", "log"),
+    )
     for row, results, name in ((0, lm, "Language model"), (1, rec, "Recommender")):
-        for r in results:
-            axes[row, 3].plot(
-                r["elapsed"], r["losses"], label=_short(r["label"]), color=color(_short(r["label"]))
-            )
+        names = [_short(r["label"]) for r in results]
+        # Ours that have no color of their own take the one of "ours".
+        shades = [colors.get(n, colors["ours"] if n.startswith("ours") else None) for n in names]
+        for r, label, shade in zip(results, names, shades):
+            axes[row, 0].plot(r["losses"], label=label, color=shade)
+            axes[row, 3].plot(r["elapsed"], r["losses"], label=label, color=shade)
+        axes[row, 0].set(title=f"{name}: training loss", xlabel="step", ylabel="loss")
         axes[row, 3].set(
             title=f"{name}: loss against wall-clock time",
             xlabel="seconds after the first (compiling) step",
             ylabel="loss",
         )
+        for column, (key, title, scale) in enumerate(bars[2 * row : 2 * row + 2], start=1):
+            axes[row, column].bar(names, [r[key] for r in results], color=shades)
+            axes[row, column].set(title=title, **({"yscale": scale} if scale else {}))
+        axes[row, 0].legend()
         axes[row, 3].legend()
     for axis in (axes[1, 1], axes[1, 2]):
         axis.tick_params(axis="x", labelrotation=10, labelsize=8)
@@ -317,12 +224,11 @@ def main(argv=None) -> int:
         import subprocess
 
         argv = sys.argv[1:] if argv is None else list(argv)
-        child = subprocess.run(
+        return subprocess.run(
             [sys.executable, "-m", "keras_tpu_optim", *argv],
             env=dict(os.environ, KERAS_BACKEND=args.backend),
             check=False,
-        )
-        return child.returncode
+        ).returncode
 
     steps = args.steps or (3 if args.quick else 60)
     if steps < 2:
@@ -341,7 +247,7 @@ def main(argv=None) -> int:
     for r in lm:
         print(
             f"{r['label']:<30} {r['final_loss']:>10.4f} {r['state_bytes']:>13,} "
-            f"{r['state_bytes'] / r['param_bytes']:>13.4f} {r['step_ms']:>9.1f}"
+            f"{r['state_ratio']:>13.4f} {r['step_ms']:>9.1f}"
         )
     print(
         f"\nPart 2 - recommender, {users:,}-row user table; each step looked up "
