@@ -107,7 +107,7 @@ EMA_HOOKS = (
 )
 
 
-# Keras's step after unscaling, overridden by both optimizers (the backend's `apply_gradients`:
+# Keras's step after unscaling, overridden by both optimizers (`keras_tpu_optim._accumulation`:
 # EmbeddingAdam's sparse rows accumulated in place, eager JAX without a compilation a step):
 # `apply` calls it with the filtered gradients and variables; it runs the accumulate-or-update
 # of `gradient_accumulation_steps`, then the EMA.

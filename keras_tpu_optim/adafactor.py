@@ -12,6 +12,7 @@ from keras_tpu_optim._base import OptimizerBase, VariableState
 from keras_tpu_optim._math.adafactor import AdafactorOptions
 
 # What decides the optimizer's state (which slots, of which shapes, dtypes): fixed once it is built.
+_OPTION_NAMES = frozenset(field.name for field in dataclasses.fields(AdafactorOptions))
 _STATE_DEFINING = frozenset(["factored_dims", "min_dim_size_to_factor", "momentum_dtype"])
 
 
@@ -153,20 +154,7 @@ class Adafactor(OptimizerBase):
     ):
         # Checked before the base class creates variables.
         options = AdafactorOptions(
-            beta_2_decay=beta_2_decay,
-            epsilon_1=epsilon_1,
-            epsilon_2=epsilon_2,
-            clip_threshold=clip_threshold,
-            relative_step=relative_step,
-            beta_1=beta_1,
-            min_dim_size_to_factor=min_dim_size_to_factor,
-            multiply_by_parameter_scale=multiply_by_parameter_scale,
-            factored_dims=factored_dims,
-            decay_offset=decay_offset,
-            beta_2_cap=beta_2_cap,
-            momentum_dtype=momentum_dtype,
-            stochastic_rounding=stochastic_rounding,
-            seed=seed,
+            **{name: value for name, value in locals().items() if name in _OPTION_NAMES}
         )
         super().__init__(
             learning_rate=learning_rate,
@@ -185,7 +173,7 @@ class Adafactor(OptimizerBase):
         )
         self._set_hyperparameters(options.to_config())
 
-    _HYPERPARAMETERS = frozenset(field.name for field in dataclasses.fields(AdafactorOptions))
+    _HYPERPARAMETERS = _OPTION_NAMES
 
     def _checked_hyperparameters(self, values):
         self._options = AdafactorOptions(**values)  # checked on creation; what every step reads

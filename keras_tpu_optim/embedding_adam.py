@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import keras
 from keras import ops
 
@@ -45,111 +47,69 @@ def _normalize_clipvalue(clipvalue):
     return (-value, value)
 
 
-_HYPERPARAMETERS = frozenset(
-    [
-        "beta_1",
-        "beta_2",
-        "epsilon",
-        "lazy_adam",
-        "sum_inside_sqrt",
-        "use_gradient_accumulation",
-        "clip_weight_min",
-        "clip_weight_max",
-        "weight_decay_factor",
-        "multiply_weight_decay_factor_by_learning_rate",
-        "slot_variable_creation_fn",
-        "clipvalue",
-        "low_dimensional_packing_status",
-        "max_touched_rows",
-        "second_moment",
-        "bias_correction",
-    ]
-)
+# Our own arguments (those of `tf.tpu.experimental.embedding.Adam`, then ours), plain attributes.
+_HYPERPARAMETERS = (
+    "beta_1 beta_2 epsilon lazy_adam sum_inside_sqrt use_gradient_accumulation clip_weight_min "
+    "clip_weight_max weight_decay_factor multiply_weight_decay_factor_by_learning_rate "
+    "slot_variable_creation_fn clipvalue low_dimensional_packing_status max_touched_rows "
+    "second_moment bias_correction"
+).split()
 # What decides the optimizer's state (which slots, of which shapes): fixed once it is built.
 _STATE_DEFINING = frozenset(
-    [
-        "lazy_adam",
-        "use_gradient_accumulation",
-        "slot_variable_creation_fn",
-        "second_moment",
-        "bias_correction",
-    ]
+    "lazy_adam use_gradient_accumulation slot_variable_creation_fn second_moment bias_correction".split()
 )
 
 
-def _check_arguments(
-    *,
-    beta_1,
-    beta_2,
-    epsilon,
-    lazy_adam,
-    sum_inside_sqrt,
-    use_gradient_accumulation,
-    clip_weight_min,
-    clip_weight_max,
-    weight_decay_factor,
-    multiply_weight_decay_factor_by_learning_rate,
-    slot_variable_creation_fn,
-    clipvalue,
-    low_dimensional_packing_status,
-    max_touched_rows,
-    second_moment,
-    bias_correction,
-    weight_decay,
-):
+def _check_arguments(values: dict, weight_decay):
     """Every argument check of `EmbeddingAdam`, in the constructor and when a hyperparameter is set."""
-    _checks.check_number("beta_1", beta_1, low=0, high=1, high_open=True)
-    _checks.check_number("beta_2", beta_2, low=0, high=1, high_open=True)
-    _checks.check_number("epsilon", epsilon, low=0, low_open=True)
+    a = types.SimpleNamespace(**values)
+    _checks.check_number("beta_1", a.beta_1, low=0, high=1, high_open=True)
+    _checks.check_number("beta_2", a.beta_2, low=0, high=1, high_open=True)
+    _checks.check_number("epsilon", a.epsilon, low=0, low_open=True)
     for flag in (
         "lazy_adam",
         "sum_inside_sqrt",
         "use_gradient_accumulation",
         "low_dimensional_packing_status",
     ):
-        _checks.check_bool(flag, locals()[flag])
+        _checks.check_bool(flag, values[flag])
     _checks.check_bool(
         "multiply_weight_decay_factor_by_learning_rate",
-        multiply_weight_decay_factor_by_learning_rate,
+        a.multiply_weight_decay_factor_by_learning_rate,
         allow_none=True,
     )
-    if not use_gradient_accumulation and not lazy_adam:
+    if not a.use_gradient_accumulation and not a.lazy_adam:
         raise ValueError(
             "When disabling lazy Adam (`lazy_adam=False`), gradient accumulation must be "
             "used: set `use_gradient_accumulation=True`."
         )
-    gradient_clip = _normalize_clipvalue(clipvalue)
-    if gradient_clip is not None and not use_gradient_accumulation:
+    if _normalize_clipvalue(a.clipvalue) is not None and not a.use_gradient_accumulation:
         raise ValueError(
             "Argument `clipvalue` requires `use_gradient_accumulation=True` (gradients are "
-            f"clipped after duplicate ids are summed). Received: clipvalue={clipvalue!r}"
+            f"clipped after duplicate ids are summed). Received: clipvalue={a.clipvalue!r}"
         )
-    _checks.check_number("clip_weight_min", clip_weight_min, allow_none=True)
-    _checks.check_number("clip_weight_max", clip_weight_max, allow_none=True)
-    if (
-        clip_weight_min is not None
-        and clip_weight_max is not None
-        and clip_weight_min > clip_weight_max
-    ):
+    low = _checks.check_number("clip_weight_min", a.clip_weight_min, allow_none=True)
+    high = _checks.check_number("clip_weight_max", a.clip_weight_max, allow_none=True)
+    if low is not None and high is not None and low > high:
         raise ValueError(
             "Argument `clip_weight_min` must be <= `clip_weight_max`. Received: "
-            f"clip_weight_min={clip_weight_min}, clip_weight_max={clip_weight_max}"
+            f"clip_weight_min={low}, clip_weight_max={high}"
         )
-    _checks.check_number("weight_decay_factor", weight_decay_factor, low=0, allow_none=True)
-    if weight_decay is not None and weight_decay_factor is not None:
+    _checks.check_number("weight_decay_factor", a.weight_decay_factor, low=0, allow_none=True)
+    if weight_decay is not None and a.weight_decay_factor is not None:
         raise ValueError(
             "Arguments `weight_decay` and `weight_decay_factor` cannot both be set: "
             "`weight_decay=x` means `weight_decay_factor=x` with "
             "`multiply_weight_decay_factor_by_learning_rate=True`."
         )
-    if slot_variable_creation_fn is not None and not callable(slot_variable_creation_fn):
+    if a.slot_variable_creation_fn is not None and not callable(a.slot_variable_creation_fn):
         raise ValueError(
             "Argument `slot_variable_creation_fn` must be callable. "
-            f"Received: slot_variable_creation_fn={slot_variable_creation_fn!r}"
+            f"Received: slot_variable_creation_fn={a.slot_variable_creation_fn!r}"
         )
-    _checks.check_int("max_touched_rows", max_touched_rows, low=1, allow_none=True)
-    _check_choice("second_moment", second_moment, SECOND_MOMENTS)
-    _check_choice("bias_correction", bias_correction, BIAS_CORRECTIONS)
+    _checks.check_int("max_touched_rows", a.max_touched_rows, low=1, allow_none=True)
+    _check_choice("second_moment", a.second_moment, SECOND_MOMENTS)
+    _check_choice("bias_correction", a.bias_correction, BIAS_CORRECTIONS)
 
 
 @keras.saving.register_keras_serializable(package="keras_tpu_optim")
@@ -296,10 +256,8 @@ class EmbeddingAdam(OptimizerBase):
         **kwargs,
     ):
         # Validate everything before the base class creates variables.
-        _check_arguments(
-            **{name: value for name, value in locals().items() if name in _HYPERPARAMETERS},
-            weight_decay=weight_decay,
-        )
+        arguments = {name: value for name, value in locals().items() if name in _HYPERPARAMETERS}
+        _check_arguments(arguments, weight_decay)
         super().__init__(
             learning_rate=learning_rate,
             name=name,
@@ -316,14 +274,12 @@ class EmbeddingAdam(OptimizerBase):
             **kwargs,
         )
         # `clipvalue`: ours, applied per row after duplicates are summed (not Keras's, which it passed None).
-        self._set_hyperparameters(
-            {name: value for name, value in locals().items() if name in _HYPERPARAMETERS}
-        )
+        self._set_hyperparameters(arguments)
 
-    _HYPERPARAMETERS = _HYPERPARAMETERS
+    _HYPERPARAMETERS = frozenset(_HYPERPARAMETERS)
 
     def _checked_hyperparameters(self, values):
-        _check_arguments(**values, weight_decay=getattr(self, "weight_decay", None))
+        _check_arguments(values, getattr(self, "weight_decay", None))
         return values
 
     def _decides_state(self, name, value):
@@ -631,32 +587,12 @@ class EmbeddingAdam(OptimizerBase):
 
     def get_config(self):
         config = super().get_config()
-        config.update(
-            {
-                "beta_1": self.beta_1,
-                "beta_2": self.beta_2,
-                "epsilon": self.epsilon,
-                "lazy_adam": self.lazy_adam,
-                "sum_inside_sqrt": self.sum_inside_sqrt,
-                "use_gradient_accumulation": self.use_gradient_accumulation,
-                "clip_weight_min": self.clip_weight_min,
-                "clip_weight_max": self.clip_weight_max,
-                "weight_decay_factor": self.weight_decay_factor,
-                "multiply_weight_decay_factor_by_learning_rate": self.multiply_weight_decay_factor_by_learning_rate,
-                "slot_variable_creation_fn": _checks.serialize_callable(
-                    "slot_variable_creation_fn", self.slot_variable_creation_fn
-                ),
-                "clipvalue": (
-                    list(self.clipvalue)
-                    if isinstance(self.clipvalue, (tuple, list))
-                    else self.clipvalue
-                ),
-                "low_dimensional_packing_status": self.low_dimensional_packing_status,
-                "max_touched_rows": self.max_touched_rows,
-                "second_moment": self.second_moment,
-                "bias_correction": self.bias_correction,
-            }
+        config.update({name: getattr(self, name) for name in _HYPERPARAMETERS})
+        config["slot_variable_creation_fn"] = _checks.serialize_callable(
+            "slot_variable_creation_fn", self.slot_variable_creation_fn
         )
+        if isinstance(self.clipvalue, (tuple, list)):
+            config["clipvalue"] = list(self.clipvalue)
         return config
 
     @classmethod

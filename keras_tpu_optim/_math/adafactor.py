@@ -16,7 +16,6 @@ formula.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 from typing import NamedTuple, Optional
@@ -25,6 +24,7 @@ import keras
 from keras import ops
 
 from keras_tpu_optim import _checks
+from keras_tpu_optim._math import options as options_math
 from keras_tpu_optim._math import stochastic_rounding
 
 FACTORED_DIMS = ("last_two", "two_largest")
@@ -127,25 +127,10 @@ ARGUMENT_OPTIONS = {
 
 
 def split_options(options: AdafactorOptions) -> tuple[AdafactorOptions, dict]:
-    """`(structure, values)`: the options with each set `ARGUMENT_OPTIONS` field replaced by its stand-in, and those values.
-
-    `joined_options(structure, values)` gives options equal to `options` (with
-    array values, inside a compiled function).
-    """
-    values = {
-        name: getattr(options, name)
-        for name in ARGUMENT_OPTIONS
-        if getattr(options, name) is not None
-    }
-    return dataclasses.replace(options, **{name: ARGUMENT_OPTIONS[name] for name in values}), values
+    return options_math.split_options(options, ARGUMENT_OPTIONS)
 
 
-def joined_options(structure: AdafactorOptions, values: dict) -> AdafactorOptions:
-    """`structure` with `values` (arrays: not checked again, as the numbers they hold were)."""
-    options = copy.copy(structure)
-    for name, value in values.items():
-        object.__setattr__(options, name, value)
-    return options
+joined_options = options_math.joined_options
 
 
 class Evaluation:

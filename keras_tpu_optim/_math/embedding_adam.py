@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 from keras import ops
 
+from keras_tpu_optim._math import options as options_math
+
 
 @dataclasses.dataclass(frozen=True)
 class RowUpdateOptions:
@@ -58,33 +60,18 @@ class RowUpdateOptions:
 # The options a compiled row update takes as arguments (`split_options`): numbers whose value
 # does not shape the computation, so that one compilation serves all their values. (The betas
 # stay static: the per-row bias correction takes their logarithms in float64.)
-ARGUMENT_OPTIONS = (
-    "epsilon",
-    "gradient_clip_min",
-    "gradient_clip_max",
-    "clip_weight_min",
-    "clip_weight_max",
-    "weight_decay_factor",
-    "ema_momentum",
+ARGUMENT_OPTIONS = dict.fromkeys(
+    "epsilon gradient_clip_min gradient_clip_max clip_weight_min clip_weight_max weight_decay_factor "
+    "ema_momentum".split(),
+    0.0,
 )
 
 
 def split_options(options: RowUpdateOptions) -> tuple[RowUpdateOptions, dict]:
-    """`(structure, values)`: the options with each set `ARGUMENT_OPTIONS` field as a placeholder, and those values.
-
-    `joined_options(structure, values)` gives options equal to `options` (with
-    array values, inside a compiled function).
-    """
-    values = {
-        name: getattr(options, name)
-        for name in ARGUMENT_OPTIONS
-        if getattr(options, name) is not None
-    }
-    return dataclasses.replace(options, **dict.fromkeys(values, 0.0)), values
+    return options_math.split_options(options, ARGUMENT_OPTIONS)
 
 
-def joined_options(structure: RowUpdateOptions, values: dict) -> RowUpdateOptions:
-    return dataclasses.replace(structure, **values)
+joined_options = options_math.joined_options
 
 
 def bias_corrected_learning_rate(learning_rate, step, beta_1: float, beta_2: float):
