@@ -109,45 +109,32 @@ def trained_lookup(
         )
     looked_up = ops.take(state[0].value, ids, axis=0)
 
+    options = dict(
+        lazy=lazy, accumulate_duplicates=accumulate_duplicates, max_touched_rows=None, owner=owner
+    )
+
     @tf.custom_gradient
     def hooked(looked_up, step):
         def gradient(row_gradients):
-            _update_looked_up_rows(
-                owner,
-                state,
-                ids,
-                row_gradients,
-                step,
-                row_update_arguments,
-                lazy=lazy,
-                accumulate_duplicates=accumulate_duplicates,
+            # The lookup's gradient as the table's `IndexedSlices`, stepped as the optimizer steps one.
+            flat_ids = tf.reshape(ids, [-1])
+            shape = tf.shape(state[0].value, out_type=flat_ids.dtype)
+            values = tf.reshape(
+                row_gradients, tf.concat([tf.shape(flat_ids, shape.dtype), shape[1:]], 0)
+            )
+            update_rows = adam_math.RowUpdate(*row_update_arguments(step))
+            embedding_adam_step(
+                tf.IndexedSlices(values, flat_ids, shape),
+                state[0],
+                state[1:],
+                update_rows,
+                **options,
             )
             return None, step + 1
 
         return tf.identity(looked_up), gradient
 
     return hooked(looked_up, tf.convert_to_tensor(iterations.value))
-
-
-def _update_looked_up_rows(
-    owner, state, ids, row_gradients, step, row_update_arguments, *, lazy, accumulate_duplicates
-):
-    """The lookup's gradient as the table's `IndexedSlices`, stepped as the optimizer steps one."""
-    flat_ids = tf.reshape(ids, [-1])
-    shape = tf.shape(state[0].value, out_type=flat_ids.dtype)
-    values = tf.reshape(
-        row_gradients, tf.concat([tf.shape(flat_ids, out_type=shape.dtype), shape[1:]], 0)
-    )
-    embedding_adam_step(
-        tf.IndexedSlices(values, flat_ids, shape),
-        state[0],
-        state[1:],
-        adam_math.RowUpdate(*row_update_arguments(step)),
-        lazy=lazy,
-        accumulate_duplicates=accumulate_duplicates,
-        max_touched_rows=None,
-        owner=owner,
-    )
 
 
 def lookup_trace(iterations):

@@ -122,9 +122,7 @@ def adafactor_evaluation(platform: str) -> adafactor_math.Evaluation:
     return CPU_EVALUATION if platform == "cpu" else adafactor_math.NEUTRAL
 
 
-def adafactor_step(
-    gradient, variable, state, *, learning_rate, step, options, variable_index, platform, owner
-):
+def adafactor_step(gradient, variable, state, *, platform, owner, **numbers):
     """One step, evaluated as measured for where it runs.
 
     Under XLA (`jit_compile=True`), under a `tf.distribute` strategy (its
@@ -136,20 +134,11 @@ def adafactor_step(
     weights the blocks were slower than XLA, and with stochastic rounding,
     whose integer hash XLA fuses, slower and larger).
     """
-    gradient = densify(gradient)
-    evaluation = adafactor_evaluation(platform)
+    gradient, evaluation = densify(gradient), adafactor_evaluation(platform)
     if _private.in_stateless_scope() or not compiling_helps():
-        neutral.adafactor_step(
-            gradient,
-            variable,
-            state,
-            learning_rate=learning_rate,
-            step=step,
-            options=options,
-            variable_index=variable_index,
-            evaluation=evaluation,
-        )
+        neutral.adafactor_step(gradient, variable, state, evaluation=evaluation, **numbers)
         return
+    learning_rate, step, options = numbers["learning_rate"], numbers["step"], numbers["options"]
     # The options' numbers are arguments: one trace serves every value of them.
     structure, option_values = adafactor_math.split_options(options)
     blocked = platform == "cpu" and keras.backend.standardize_dtype(variable.dtype) == "float32"
@@ -170,7 +159,7 @@ def adafactor_step(
                 tf.convert_to_tensor(learning_rate),
                 tf.convert_to_tensor(step),
                 # A tensor, so that one trace serves every variable of a shape.
-                tf.constant(variable_index, tf.int32),
+                tf.constant(numbers["variable_index"], tf.int32),
                 {name: tf.constant(value, tf.float32) for name, value in option_values.items()},
             )
         )

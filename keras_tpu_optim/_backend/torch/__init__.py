@@ -68,19 +68,11 @@ def scratch_of(owner) -> Scratch:
     return scratch
 
 
-def adafactor_step(
-    gradient, variable, state, *, learning_rate, step, options, variable_index, platform, owner
-):
+def adafactor_step(gradient, variable, state, *, platform, owner, **numbers):
+    """`numbers`: the step's `learning_rate`, `step`, `options` and `variable_index`."""
     if _private.in_stateless_scope() or not blocked_adafactor_applies(platform):
         neutral.adafactor_step(
-            densify(gradient),
-            variable,
-            state,
-            learning_rate=learning_rate,
-            step=step,
-            options=options,
-            variable_index=variable_index,
-            evaluation=adafactor_math.NEUTRAL,
+            densify(gradient), variable, state, evaluation=adafactor_math.NEUTRAL, **numbers
         )
         return
     adafactor.blocked_step(
@@ -88,10 +80,10 @@ def adafactor_step(
         variable.value,
         tuple(s.value for s in state.slots),
         None if state.momentum is None else state.momentum.value,
-        learning_rate=ops.convert_to_tensor(learning_rate),
-        step=ops.convert_to_tensor(step),
-        options=options,
-        variable_index=variable_index,
+        learning_rate=ops.convert_to_tensor(numbers["learning_rate"]),
+        step=ops.convert_to_tensor(numbers["step"]),
+        options=numbers["options"],
+        variable_index=numbers["variable_index"],
     )
 
 
@@ -220,6 +212,9 @@ def trained_lookup(
     lookup's gradient, as the table's sparse COO gradient, and returns `iterations + 1` as the gradient of
     `iterations` (`row_update_arguments(step) -> (learning_rate, options)`)."""
     count = iterations.value
+    options = dict(
+        lazy=lazy, accumulate_duplicates=accumulate_duplicates, max_touched_rows=None, owner=owner
+    )
 
     def update(ids, row_gradients, step):
         _check_one_update_per_step(owner, count)
@@ -229,16 +224,8 @@ def trained_lookup(
         gradient = torch.sparse_coo_tensor(
             flat_ids[None], values, tuple(state[0].shape), check_invariants=not lazy
         )
-        embedding_adam_step(
-            gradient,
-            state[0],
-            state[1:],
-            adam_math.RowUpdate(*row_update_arguments(step)),
-            lazy=lazy,
-            accumulate_duplicates=accumulate_duplicates,
-            max_touched_rows=None,
-            owner=owner,
-        )
+        update_rows = adam_math.RowUpdate(*row_update_arguments(step))
+        embedding_adam_step(gradient, state[0], state[1:], update_rows, **options)
 
     return _TrainedLookup.apply(ids, count, state[0].value, update)
 
