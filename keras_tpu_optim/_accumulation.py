@@ -52,12 +52,13 @@ def _accumulated_apply(optimizer, grads, variables, rows):
 
     `rows` (a backend's `accumulation_rows`, or None) provides
     `sparse_entries(gradient)` (`(ids, values)`, None for a dense gradient),
-    `add_to_window(accumulator, window, ids, values, number)`,
+    `add_to_window(accumulator, window, ids, values, number, *, owner)`,
     `window_sizes(like, window, steps)` (the static lengths to try for the
     list of a window's rows, smallest first; `(None,)`: dynamic),
     `window_count(window, number)` and `window_gradient(accumulator, window,
-    number, steps, like, size)` (the window's rows of `accumulator / steps` as
-    a sparse gradient like `like`; those rows of `accumulator` then zeroed).
+    number, steps, like, size, *, owner)` (the window's rows of `accumulator / steps` as
+    a sparse gradient like `like`; those rows of `accumulator` then zeroed);
+    `owner` owns what they compile.
     """
     steps = optimizer.gradient_accumulation_steps
     is_update_step = ops.equal((_private.raw_iterations(optimizer) + 1) % steps, 0)
@@ -76,7 +77,7 @@ def _accumulated_apply(optimizer, grads, variables, rows):
     # A sparse gradient joins the window at every micro-step, the update step's included.
     for (gradient, acc, window), is_sparse in zip(pairs, sparse):
         if is_sparse:
-            rows.add_to_window(acc, window, *rows.sparse_entries(gradient), number)
+            rows.add_to_window(acc, window, *rows.sparse_entries(gradient), number, owner=optimizer)
     sizes = [
         rows.window_sizes(g, window, steps) if is_sparse else (None,)
         for (g, _, window), is_sparse in zip(pairs, sparse)
@@ -87,7 +88,9 @@ def _accumulated_apply(optimizer, grads, variables, rows):
         for (gradient, acc, window), is_sparse, size in zip(pairs, sparse, sizes):
             if is_sparse:
                 means.append(
-                    rows.window_gradient(acc, window, number, steps, gradient, size[choice])
+                    rows.window_gradient(
+                        acc, window, number, steps, gradient, size[choice], owner=optimizer
+                    )
                 )
             else:
                 means.append((gradient + acc) / steps)  # Keras's mean

@@ -88,7 +88,7 @@ def embedding_adam_step(
 
 
 def accumulation_rows(owner):
-    return accumulation.for_owner(owner)
+    return accumulation
 
 
 def trained_lookup(

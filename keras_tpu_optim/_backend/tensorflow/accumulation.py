@@ -6,9 +6,6 @@ costs O(ids x dim) eagerly, in `tf.function` and under `jit_compile=True`.
 
 from __future__ import annotations
 
-import functools
-import types
-
 import tensorflow as tf
 
 from keras_tpu_optim._math import sparse_rows
@@ -29,23 +26,11 @@ def sparse_entries(gradient):
     return tf.cast(indices, tf.int32), values
 
 
-def for_owner(owner):
-    """This module's functions for `keras_tpu_optim._accumulation`; their compiled forms belong to `owner`."""
-    return types.SimpleNamespace(
-        sparse_entries=sparse_entries,
-        add_to_window=functools.partial(add_to_window, owner=owner),
-        window_sizes=window_sizes,
-        window_count=window_count,
-        window_gradient=functools.partial(window_gradient, owner=owner),
-    )
-
-
 def add_to_window(accumulator, window, ids, values, number, *, owner):
     """Add the rows `values` into `accumulator` at `ids` (duplicates add up) and mark them `number` in `window`.
 
-    Outside XLA, compiled with XLA (TF's own scatter kernels take several
-    milliseconds on a large table; XLA's update it in place): one compilation
-    per number of ids, belonging to `owner`.
+    Outside XLA, compiled with XLA, belonging to `owner` (TF's own scatter kernels take several
+    milliseconds on a large table; XLA's update it in place).
     """
     targets = [native_variable(accumulator), native_variable(window)]
     if compiling_helps():

@@ -197,7 +197,7 @@ def sparse_entries(gradient):
 
 
 @torch.no_grad()
-def add_to_window(accumulator, window, ids, values, number):
+def add_to_window(accumulator, window, ids, values, number, *, owner=None):
     """Add the rows `values` into `accumulator` at `ids` (duplicates add up) and mark them `number` in `window`."""
     accumulator.value.index_add_(0, ids, values.to(accumulator.value.dtype))
     window.value.index_fill_(0, ids, number)
@@ -209,7 +209,7 @@ def window_sizes(like, window, steps):
 
 
 @torch.no_grad()
-def window_gradient(accumulator, window, number, steps, like, size=None):
+def window_gradient(accumulator, window, number, steps, like, size=None, *, owner=None):
     """The rows of the window (`window == number`) of `accumulator / steps`, a coalesced sparse COO; those rows zeroed.
 
     One scan of `window` lists the rows (increasing, unique).
