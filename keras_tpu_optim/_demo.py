@@ -1,10 +1,9 @@
 """The demo behind `python -m keras_tpu_optim`: what the package buys, in a couple of minutes.
 
-Part 1 trains a small transformer LM with keras_tpu_optim.Adafactor, keras.optimizers.Adafactor
-and keras.optimizers.Adam. Part 2 trains a recommender with a 1M-row table, trained in the
-lookup by EmbeddingAdam (`keras_tpu_optim.layers.Embedding`, global and per-row bias
-correction), by EmbeddingAdam as the model's optimizer, and by keras.optimizers.Adam. All data
-is synthetic; the summary goes to the terminal and a PNG figure.
+Part 1 trains a small LM with keras_tpu_optim.Adafactor, Keras's Adafactor and Adam; part 2 a
+recommender whose 1M-row table is trained in the lookup by EmbeddingAdam (global or per-row
+bias correction), by EmbeddingAdam as the model's optimizer, or by Keras's Adam. All data is
+synthetic; the summary goes to the terminal and a PNG figure.
 """
 
 from __future__ import annotations

@@ -44,10 +44,8 @@ def _latest_step(directory: str) -> tuple[str, int]:
 def _flatten(tree, prefix="") -> dict:
     flat = {}
     for key, value in (tree or {}).items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}/"))
-        else:
-            flat[f"{prefix}{key}"] = value
+        is_tree = isinstance(value, dict)
+        flat.update(_flatten(value, f"{prefix}{key}/") if is_tree else {f"{prefix}{key}": value})
     return flat
 
 

@@ -64,12 +64,8 @@ def record_keras_roles(optimizer) -> None:
 
 
 def add_slot(optimizer, variable, slot_name: str, kept_axes=None, dtype: str = "float32"):
-    """A zero-initialised optimizer variable named and laid out after `variable`.
-
-    `kept_axes`: the axes of `variable` the slot keeps (None: all), sharded like the
-    variable's under `keras.distribution`. float32 by default whatever the variable's dtype,
-    so that the statistics of bf16/fp16 variables do not underflow.
-    """
+    """A zero-initialised variable named after `variable`, keeping its `kept_axes` (None: all)
+    and their layout; float32 by default, so bf16/fp16 variables' statistics do not underflow."""
     axes = range(len(variable.shape)) if kept_axes is None else kept_axes
     shape = tuple(variable.shape[i] for i in axes)
     name = variable_path(variable).replace("/", "_") + "_" + slot_name

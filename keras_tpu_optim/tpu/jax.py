@@ -1,9 +1,8 @@
 """Export to JAX SparseCore (`jax_tpu_embedding`, and keras-rs's `DistributedEmbedding` on JAX).
 
-SparseCore traces a custom optimizer on `[1, dim]` float32 rows `(grad, table, *slots,
-*hyperparameters)` (hyperparameters too, though it passes scalars) and expects `(table,
-*slots)` back: ours is `EmbeddingAdam`'s `row_update`, the bias-corrected learning rate its
-only hyperparameter.
+SparseCore traces a custom optimizer on `[1, dim]` float32 rows (hyperparameters too) in the
+order `(grad, table, *slots, *hyperparameters)`, expecting `(table, *slots)` back: ours is
+`EmbeddingAdam`'s `row_update`, the bias-corrected learning rate its only hyperparameter.
 """
 
 from __future__ import annotations
