@@ -45,19 +45,25 @@ def accumulation_rows(owner):
 
 
 def adafactor_step(
-    gradient, variable, state, *, learning_rate, step, options, variable_index, evaluation
+    gradient,
+    variable,
+    slots,
+    momentum,
+    *,
+    learning_rate,
+    step,
+    options,
+    variable_index,
+    evaluation,
+    assign=None,
+    assign_sub=None,
 ):
-    """One Adafactor step of `variable` (its `state`: slots and momentum) through `assign`s.
-
-    A float32 variable is updated in place; any other dtype in float32,
-    rounded once (`adafactor_math.rounding`). A bfloat16 momentum is stored
-    rounded to nearest.
-    """
+    """One Adafactor step of `variable`, its `slots` and `momentum` (or None), through `assign`s."""
     delta, new_slots, new_momentum = adafactor_math.float32_update(
         gradient,
-        variable,
-        tuple(s.value for s in state.slots),
-        None if state.momentum is None else state.momentum.value,
+        ops.convert_to_tensor(variable),
+        tuple(ops.convert_to_tensor(s) for s in slots),
+        None if momentum is None else ops.convert_to_tensor(momentum),
         learning_rate=learning_rate,
         step=step,
         options=options,
@@ -65,18 +71,19 @@ def adafactor_step(
     )
     assign_update(
         variable,
-        (state.slots, new_slots),
-        (state.momentum, new_momentum),
+        (slots, new_slots),
+        (momentum, new_momentum),
         delta,
         rounding=adafactor_math.rounding(options, step, variable_index, variable.shape),
+        assign=assign,
+        assign_sub=assign_sub,
     )
 
 
 def assign_update(variable, slots, momentum, delta, *, rounding, assign=None, assign_sub=None):
-    """Write a step's results: `slots` and `momentum` as `(variables, new values)`, the variable minus `delta`.
-
-    `assign(target, value)` and `assign_sub` default to the variables' own.
-    """
+    """Write a step's results: `slots` and `momentum` as `(variables, new values)`, the variable minus `delta`
+    (a float32 variable in place, any other rounded once by `rounding`). `assign(target, value)` and
+    `assign_sub` default to the variables' own."""
     assign = assign or (lambda target, value: target.assign(value))
     assign_sub = assign_sub or (lambda target, value: target.assign_sub(value))
     for slot, value in zip(*slots):

@@ -136,7 +136,9 @@ def adafactor_step(gradient, variable, state, *, platform, owner, **numbers):
     """
     gradient, evaluation = densify(gradient), adafactor_evaluation(platform)
     if _private.in_stateless_scope() or not compiling_helps():
-        neutral.adafactor_step(gradient, variable, state, evaluation=evaluation, **numbers)
+        neutral.adafactor_step(
+            gradient, variable, state.slots, state.momentum, evaluation=evaluation, **numbers
+        )
         return
     learning_rate, step, options = numbers["learning_rate"], numbers["step"], numbers["options"]
     # The options' numbers are arguments: one trace serves every value of them.
@@ -207,23 +209,17 @@ def assigning_step(
         evaluation = blocks.Blocked(
             tuple(variable.shape), GRAPH_CPU_EVALUATION, _after, chunk_elements
         )
-    delta, new_slots, new_momentum = adafactor_math.float32_update(
+    assignments = []
+    neutral.adafactor_step(
         grad,
-        variable.read_value(),
-        tuple(s.read_value() for s in slots),
-        None if momentum is None else momentum.read_value(),
+        variable,
+        slots,
+        momentum,
         learning_rate=learning_rate,
         step=step,
         options=options,
+        variable_index=variable_index,
         evaluation=evaluation,
-    )
-    assignments = []
-    neutral.assign_update(
-        variable,
-        (slots, new_slots),
-        (momentum, new_momentum),
-        delta,
-        rounding=adafactor_math.rounding(options, step, variable_index, variable.shape),
         assign=lambda target, value: assignments.append(target.assign(value, read_value=False)),
         assign_sub=lambda target, value: assignments.append(
             target.assign_sub(value, read_value=False)

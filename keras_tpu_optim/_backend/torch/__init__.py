@@ -72,7 +72,12 @@ def adafactor_step(gradient, variable, state, *, platform, owner, **numbers):
     """`numbers`: the step's `learning_rate`, `step`, `options` and `variable_index`."""
     if _private.in_stateless_scope() or not blocked_adafactor_applies(platform):
         neutral.adafactor_step(
-            densify(gradient), variable, state, evaluation=adafactor_math.NEUTRAL, **numbers
+            densify(gradient),
+            variable,
+            state.slots,
+            state.momentum,
+            evaluation=adafactor_math.NEUTRAL,
+            **numbers,
         )
         return
     adafactor.blocked_step(
