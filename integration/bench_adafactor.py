@@ -66,6 +66,7 @@ import bench_common as bc  # noqa: E402  (the script's folder is on sys.path)
 BYTES_PER_PARAM = 24
 OURS = "keras_tpu_optim.Adafactor"
 KERAS = "keras.optimizers.Adafactor"
+BLOCKED = " [CPU: every variable blocked]"
 
 
 def stack_shapes(quick: bool):
@@ -214,6 +215,20 @@ class KerasTorchRunner:
         return self.state
 
 
+class KerasTorchBlockedRunner(KerasTorchRunner):
+    """Ours with every variable on the CPU path stepped in blocks, none grouped: the neighbour of the
+    CPU's grouped-step threshold (`CPU_GROUPED_ELEMENTS`), the row that earns it its place."""
+
+    def step(self):
+        from keras_tpu_optim._backend import torch as torch_backend
+
+        threshold, torch_backend.CPU_GROUPED_ELEMENTS = torch_backend.CPU_GROUPED_ELEMENTS, 0
+        try:
+            super().step()
+        finally:
+            torch_backend.CPU_GROUPED_ELEMENTS = threshold
+
+
 class TorchAdafactorRunner:
     def __init__(self, name, params_np, grads_t, foreach):
         import torch
@@ -276,6 +291,7 @@ def build_runners(backend, params_np, grads_np, skip_peers=False):
 
         grads = [keras.ops.convert_to_tensor(g) for g in grads_np]
         runners.append(KerasTorchRunner(OURS, ours, params_np, grads))
+        runners.append(KerasTorchBlockedRunner(OURS + BLOCKED, ours, params_np, grads))
         if not skip_peers:
             runners.append(KerasTorchRunner(KERAS, theirs, params_np, grads))
             tgrads = [torch.from_numpy(g) for g in grads_np]
@@ -452,6 +468,16 @@ def main(argv=None):
                 else None,
             }
         )
+    if OURS + BLOCKED in results:
+        blocked = results[OURS + BLOCKED]
+        ratios.append(
+            {
+                "ours": OURS,
+                "peer": OURS + BLOCKED,
+                "time_ratio": ours["median_ms"] / blocked["median_ms"],
+                "state_ratio": ours["state_bytes"] / blocked["state_bytes"],
+            }
+        )
     bc.print_table(
         "Ratios, ours / peer (lower is better)",
         ["ours", "peer", "step time", "state"],
@@ -487,6 +513,14 @@ def main(argv=None):
                 max(cands) if cands else None,
                 1.0,
                 "vs the faster of foreach=None/True",
+            )
+        )
+        targets.append(
+            bc.target(
+                "step / ours with every variable blocked",
+                ratio_to(OURS + BLOCKED),
+                1.0,
+                "the CPU's grouped step for variables of at most 2^15 elements",
             )
         )
     if backend in ("jax", "tensorflow"):
