@@ -105,7 +105,7 @@ def test_adafactor_evaluation_by_platform(platform):
     evaluation = _backend.get().adafactor_evaluation(platform)
     if platform == "cpu" and BACKEND in ("tensorflow", "jax"):
         assert type(evaluation) is not adafactor_math.Evaluation
-        assert type(evaluation).__module__ == f"keras_tpu_optim._backend.{BACKEND}.adafactor"
+        assert type(evaluation).__module__.startswith(f"keras_tpu_optim._backend.{BACKEND}")
     else:
         assert evaluation is adafactor_math.NEUTRAL
 

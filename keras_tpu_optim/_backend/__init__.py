@@ -1,15 +1,9 @@
-"""The backend-specific code, one package per backend, picked by an import as Keras picks its backend optimizer.
+"""The backend-specific code, one package per backend; `backend`, the active one, is picked by an import as
+Keras picks its backend optimizer.
 
-`backend` is the active backend's package (`tensorflow`, `jax` or `torch`).
-The optimizers hand it plain arguments (a variable, its state, the step's
-numbers); it never calls back into them. Each package provides `INTERFACE`,
-documented where `neutral` (what runs where a backend has nothing of its
-own) or the package defines it. Dependencies point down: optimizers ->
-`_backend` -> `_backend.neutral` -> `_math` -> `keras.ops`.
-
-Evaluations measured on one platform are chosen by platform (a variable's,
-from `platform_of`); docs/algorithms.md#platform-specific-evaluation lists
-which runs where.
+The optimizers hand it plain arguments (a variable, its state, the step's numbers); it never calls back
+into them. Each package provides `INTERFACE` (`neutral`: what runs where a backend has nothing of its
+own). Evaluations are chosen by a variable's platform (docs/algorithms.md#platform-specific-evaluation).
 """
 
 from __future__ import annotations
@@ -21,23 +15,10 @@ import keras
 
 SUPPORTED = ("tensorflow", "jax", "torch")
 INTERFACE = (
-    "platform_of",
-    "gradient_values",
-    "checked_gradient",
-    "unscale",
-    "densify",
-    "apply_if",
-    "cond",
-    "eager_branches",
-    "adafactor_step",
-    "adafactor_steps",
-    "adafactor_evaluation",
-    "embedding_adam_step",
-    "accumulation_rows",
-    "state_creation_scope",
-    "trained_lookup",
-    "lookup_trace",
-)
+    "platform_of gradient_values checked_gradient unscale densify apply_if cond eager_branches "
+    "adafactor_step adafactor_steps adafactor_evaluation embedding_adam_step accumulation_rows "
+    "state_creation_scope trained_lookup lookup_trace"
+).split()
 
 # The modules imported so far. A plain dict, not `functools.cache`: `torch.compile` traces a dict
 # lookup, and breaks its graph at an `importlib` call (even one a cache would skip).

@@ -39,8 +39,7 @@ def state_creation_scope():
 
 
 def accumulation_rows(owner):
-    """The row operations with which `gradient_accumulation_steps` accumulates sparse rows in place (see
-    `keras_tpu_optim._accumulation`), or None where sparse gradients are densified first."""
+    """The row operations of `keras_tpu_optim._accumulation`, or None: sparse gradients densified first."""
     return None
 
 

@@ -13,7 +13,6 @@ from keras_tpu_optim._math import sparse_rows
 from keras_tpu_optim._backend.jax import rows
 from keras_tpu_optim._math import adafactor as adafactor_math
 from keras_tpu_optim._math import embedding_adam as adam_math
-from keras_tpu_optim._backend.jax.adafactor import adafactor_evaluation
 
 
 def platform_of(variable) -> str:
@@ -47,11 +46,8 @@ def concrete(x) -> bool:
 
 
 def cond(condition, true_fn, false_fn):
-    """`ops.cond`; where `condition` is concrete, only the branch taken is called.
-
-    Eagerly, `jax.lax.cond` traces both branches and compiles them, at every
-    call: the branches are new functions each time.
-    """
+    """`ops.cond`; where `condition` is concrete, only the branch taken is called (eagerly, `jax.lax.cond`
+    compiles both branches anew at every call)."""
     if concrete(condition):
         return true_fn() if bool(condition) else false_fn()
     return ops.cond(condition, true_fn, false_fn)
@@ -69,6 +65,31 @@ def apply_if(condition, apply, state):
     kept = jax.lax.cond(condition, lambda: after, lambda: before)
     for variable, value in zip(state, kept):
         variable.assign(value)
+
+
+# Adafactor on CPU: XLA fuses the sibling row and column reductions of a factored step into one loop and
+# recomputes the statistics inside the update's reduction, both several times slower than separate
+# passes; optimisation barriers keep them apart. Elsewhere XLA's own fusion decisions stand.
+class CpuEvaluation(adafactor_math.Evaluation):
+    """Optimisation barriers between the step's reductions."""
+
+    def square_sums(self, x, axes):
+        # Each sum its own pass over `x`: XLA would fuse sibling reductions into one slower loop.
+        sums = []
+        for index, axis in enumerate(axes):
+            sums += super().square_sums(self.separately(x) if index else x, (axis,))
+        return tuple(sums)
+
+    def separately(self, x):
+        return jax.lax.optimization_barrier(x)
+
+
+CPU_EVALUATION = CpuEvaluation()
+
+
+def adafactor_evaluation(platform: str) -> adafactor_math.Evaluation:
+    """How a step of a variable on `platform` is evaluated: barriers on CPU, the neutral form elsewhere."""
+    return CPU_EVALUATION if platform == "cpu" else adafactor_math.NEUTRAL
 
 
 def eager_branches(iterations) -> bool:
@@ -182,15 +203,10 @@ def _row_update(path, structure):
 def trained_lookup(
     ids, state, iterations, row_update_arguments, *, lazy, accumulate_duplicates, owner
 ):
-    """The rows of `state[0]` at `ids`; the backward pass returns, as the gradients of the table, its slots and
-    `iterations`, their values after the row update (Keras's `overwrite_with_gradient` installs them).
-
-    `state` is the table and its slots (`(table, momenta, velocities[, row_steps])`), `iterations` the float32
-    step count, `row_update_arguments(step) -> (learning_rate, options)` the row update's arguments. A JAX
-    gradient cannot update a variable in place; under `jax.jit` with donated state (Keras's trainer) the
-    scatters of the new rows reuse the table's and slots' buffers. Out-of-range ids gather as Keras's `take`
-    does and update nothing.
-    """
+    """The rows of `state[0]` (the table, then its slots) at `ids`; the backward pass returns, as the gradients
+    of the table, its slots and `iterations`, their values after the row update (`row_update_arguments(step)
+    -> (learning_rate, options)`), which Keras's `overwrite_with_gradient` installs: in place under `jax.jit`
+    with donated state. Out-of-range ids gather as Keras's `take` does and update nothing."""
 
     @jax.custom_vjp
     def lookup(ids, step, *tables):

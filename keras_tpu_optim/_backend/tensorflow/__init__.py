@@ -94,12 +94,9 @@ def accumulation_rows(owner):
 def trained_lookup(
     ids, state, iterations, row_update_arguments, *, lazy, accumulate_duplicates, owner
 ):
-    """The rows of `state[0]` at `ids`; the backward pass updates the rows looked up (and their slots) in place
-    and returns `iterations + 1` as the gradient of `iterations` (see `keras_tpu_optim._backend`).
-
-    The table and slots are not trainable: only `iterations` connects the lookup to the gradient tape.
-    Under a `tf.distribute` strategy each replica would update the table with its own gradient: refused.
-    """
+    """The rows of `state[0]` at `ids`; the backward pass steps the table (and its slots) in place with the
+    lookup's gradient and returns `iterations + 1` as the gradient of `iterations`, the one trainable
+    variable. Refused under a `tf.distribute` strategy: each replica would update the table."""
     if tf.distribute.has_strategy():
         raise ValueError(
             "keras_tpu_optim.layers.Embedding with `optimizer` does not run under a tf.distribute strategy "

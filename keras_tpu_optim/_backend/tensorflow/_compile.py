@@ -35,14 +35,9 @@ _eager: dict = {}
 
 def compiled_function(owner, key, make, *, xla: bool = True):
     """`tf.function(make(), jit_compile=True, autograph=False)`, made once per `(owner, key)` (`key` names all
-    `make` depends on).
-
-    A trace belongs to its owner: one made inside one model's train function
-    must not be called from another's. Called eagerly, the function takes
-    every variable as an argument, so one per key serves every optimizer.
-    With `xla=False`, a graph function TF runs with its own kernels and never
-    inlines: one body per traced shape, however many variables call it.
-    """
+    `make` depends on): a trace made in one model's train function must not be called from another's. Eager
+    calls take every variable as an argument: one function per key serves every optimizer. With
+    `xla=False`, a graph function TF runs with its own kernels, never inlined."""
     functions = _eager if tf.executing_eagerly() else _compiled.setdefault(owner, {})
     key = (key, xla)
     function = functions.get(key)

@@ -49,12 +49,8 @@ def _add_to_window(ids, values, number, targets):
 
 
 def window_sizes(like, window, steps):
-    """The lengths of a window's row list to try, smallest first.
-
-    Outside XLA: dynamic. Under XLA (static shapes): `steps` times this
-    gradient's ids (enough when every micro-batch has as many), if fewer
-    than the table's rows, then the table's rows.
-    """
+    """The lengths of a window's row list to try, smallest first: dynamic outside XLA; under XLA `steps` times
+    this gradient's ids (enough when every micro-batch has as many) if fewer than the rows, then the rows."""
     if not in_xla_context():
         return (None,)
     num_rows, ids = int(window.shape[0]), like.indices.shape[0]

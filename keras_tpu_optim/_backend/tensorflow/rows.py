@@ -25,12 +25,8 @@ def touched_rows(gradient):
 
 
 def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplicates):
-    """Update only the rows present in `gradient`; untouched rows keep their bits.
-
-    `update_rows(grad_rows, weight_rows, *slot_rows)` returns the new
-    `(weight_rows, *slot_rows)`. Duplicate ids of an IndexedSlices are summed
-    (`accumulate_duplicates`) or the last occurrence wins.
-    """
+    """Update only the rows present in `gradient` by `update_rows` (an `adam_math.RowUpdate`); duplicate ids
+    summed (`accumulate_duplicates`) or the last occurrence kept. Untouched rows keep their bits."""
     targets = [native_variable(variable)] + [native_variable(s) for s in slots]
     if isinstance(gradient, tf.IndexedSlices):
         sparse_row_update(update_rows, *sparse_entries(gradient), targets, accumulate_duplicates)
@@ -109,12 +105,7 @@ def compiled_lazy_row_update(
 
 
 def _checked_indices(indices, num_rows, variable):
-    """`indices`, after checking they name rows of the table.
-
-    XLA clips out-of-range gathers and drops out-of-range scatters; TF's own
-    kernels raise. An index out of range is a bug upstream: say so rather than
-    update nothing for it.
-    """
+    """`indices`, checked to name rows of the table: XLA would clip or drop an out-of-range one silently."""
     name = getattr(variable, "path", None) or getattr(variable, "name", "the table")
     message = f"EmbeddingAdam: the gradient of {name} has row indices outside [0, number of rows)"
     with tf.control_dependencies(

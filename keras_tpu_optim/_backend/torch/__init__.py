@@ -52,8 +52,7 @@ def adafactor_evaluation(platform: str) -> adafactor_math.Evaluation:
 
 
 def blocked_adafactor_applies(platform: str) -> bool:
-    """Whether a variable on `platform` stepped alone is stepped in blocks (`adafactor.blocked_step`, measured on
-    CPU), rather than whole."""
+    """Whether a variable on `platform` stepped alone is stepped in blocks (`adafactor.blocked_step`)."""
     return platform == "cpu"
 
 

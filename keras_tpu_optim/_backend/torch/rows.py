@@ -37,12 +37,8 @@ class Scratch:
 
 
 def unique_rows(indices, values, accumulate_duplicates, scratch=None):
-    """`(ids, rows)`: the distinct ids of a sparse gradient's entries and their gradient rows.
-
-    Duplicate ids' rows are summed (`accumulate_duplicates`), or the last
-    occurrence's is kept. `rows` is a fresh tensor, or a `scratch` buffer
-    (`GRADIENT_SLOT`) the caller may write into.
-    """
+    """`(ids, rows)`: the distinct ids of a sparse gradient's entries and their rows, duplicates summed
+    (`accumulate_duplicates`) or the last occurrence's kept; `rows` may be a `scratch` buffer."""
     ids, position = torch.unique(indices, return_inverse=True)
     shape = (ids.shape[0],) + tuple(values.shape[1:])
     out = (
@@ -121,13 +117,8 @@ def scaled_norms_apply(device_type: str) -> bool:
 
 @torch.no_grad()
 def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplicates, scratch=None):
-    """Update only the rows present in `gradient` (sparse COO indices, or a dense gradient's non-zero rows).
-
-    `update_rows(grad_rows, weight_rows, *slot_rows)` returns the new
-    `(weight_rows, *slot_rows)` (an `adam_math.RowUpdate`). Duplicate ids of a
-    sparse gradient are summed (`accumulate_duplicates`) or the last
-    occurrence wins.
-    """
+    """Update only the rows present in `gradient` (sparse COO indices, or a dense gradient's non-zero rows) by
+    `update_rows` (an `adam_math.RowUpdate`); duplicate ids summed (`accumulate_duplicates`) or the last kept."""
     if gradient.is_sparse:
         indices, values = _private.torch_sparse_entries(gradient)
         ids, grad_rows = unique_rows(indices, values, accumulate_duplicates, scratch)
