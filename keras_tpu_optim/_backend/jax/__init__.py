@@ -106,30 +106,34 @@ def adafactor_step(
     gradient, variable, state, *, learning_rate, step, options, variable_index, platform, owner
 ):
     """The neutral step with the platform's evaluation, as one `jax.jit` per options (inlined where traced)."""
-    targets = (variable, *state.slots) + (() if state.momentum is None else (state.momentum,))
     structure, values = adafactor_math.split_options(options)
     update = _adafactor_update(structure, adafactor_evaluation(platform))
-    new_values = update(
+    new_variable, new_slots, new_momentum = update(
         densify(gradient),
-        tuple(t.value for t in targets),
+        variable.value,
+        tuple(s.value for s in state.slots),
+        None if state.momentum is None else state.momentum.value,
         ops.convert_to_tensor(learning_rate),
         ops.convert_to_tensor(step),
         variable_index,
         {name: ops.convert_to_tensor(value, "float32") for name, value in values.items()},
     )
-    for target, value in zip(targets, new_values):
-        target.assign(value)
+    variable.assign(new_variable)
+    for slot, value in zip(state.slots, new_slots):
+        slot.assign(value)
+    if state.momentum is not None:
+        state.momentum.assign(new_momentum)
 
 
 @functools.cache
 def _adafactor_update(structure, evaluation):
-    """`(gradient, (variable, *slots[, momentum]), learning_rate, step, variable_index, option_values)` -> the
-    new values, compiled once per shape and options' structure (`split_options`: the numbers are arguments)."""
+    """`(gradient, variable, slots, momentum, learning_rate, step, variable_index, option_values)` -> the new
+    `(variable, slots, momentum)`, compiled once per shape and options' structure (`split_options`)."""
 
-    def update(gradient, values, learning_rate, step, variable_index, option_values):
+    def update(
+        gradient, variable, slots, momentum, learning_rate, step, variable_index, option_values
+    ):
         options = adafactor_math.joined_options(structure, option_values)
-        variable, slots = values[0], values[1 : len(values) - (options.beta_1 is not None)]
-        momentum = values[-1] if options.beta_1 is not None else None
         delta, new_slots, new_momentum = adafactor_math.float32_update(
             gradient,
             variable,
@@ -141,9 +145,9 @@ def _adafactor_update(structure, evaluation):
             evaluation=evaluation,
         )
         if momentum is not None:
-            new_slots = (*new_slots, ops.cast(new_momentum, momentum.dtype))
+            new_momentum = ops.cast(new_momentum, momentum.dtype)
         rounding = adafactor_math.rounding(options, step, variable_index, variable.shape)
-        return (adafactor_math.subtracted(variable, delta, rounding), *new_slots)
+        return adafactor_math.subtracted(variable, delta, rounding), new_slots, new_momentum
 
     return jax.jit(update)
 

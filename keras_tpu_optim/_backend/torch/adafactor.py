@@ -171,7 +171,7 @@ def grouped_step(members, *, learning_rate, step, options, axes, indices=None) -
     )
     for targets, value in zip(slots, result.slots):
         torch._foreach_copy_(targets, value.unbind(0))
-    momenta = None if options.beta_1 is None else [m.momentum for m in members]
+    momenta = None if first.momentum is None else [m.momentum for m in members]
     deltas, new_momenta = adafactor_math.update(
         grads, result.factors, None if momenta is None else torch.stack(momenta), options
     )
