@@ -3,15 +3,11 @@
 Names follow Shazeer & Stern (2018): `rho` the relative step size, `alpha` the
 absolute step size, `R`/`C` the row/column second-moment statistics.
 
-A step is two phases. `preconditioned` reads the whole variable (its RMS, the
-statistics of the gradient, RMS(update)) and returns the new statistics and
-the factors that turn the gradient into the update; `update` is elementwise:
-the update, the momentum, and so the delta of any part of the variable from
-the same part of the gradient and factors. Every sum of the first phase goes
-through an `Evaluation`, which decides how it is computed (the order of a
-reduction, blocks of the leading axis, a fusion barrier, variables stacked on
-a leading axis), never what: a platform changes the evaluation, not the
-formula.
+A step is two phases: `preconditioned` reads the whole variable and returns
+the new statistics and the factors that turn the gradient into the update;
+`update` is elementwise, so it applies to any part of the variable. Every sum
+goes through an `Evaluation`, which decides how it is computed, never what: a
+platform changes the evaluation, not the formula.
 """
 
 from __future__ import annotations
@@ -26,9 +22,6 @@ from keras import ops
 from keras_tpu_optim import _checks
 from keras_tpu_optim._math import options as options_math
 from keras_tpu_optim._math import stochastic_rounding
-
-FACTORED_DIMS = ("last_two", "two_largest")
-MOMENTUM_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,44 +44,34 @@ class AdafactorOptions:
     seed: int = 0
 
     def __post_init__(self):
+        check, set_ = _checks.check_int, functools.partial(object.__setattr__, self)
         _checks.check_number("beta_2_decay", self.beta_2_decay, high=0)
         _checks.check_number("epsilon_1", self.epsilon_1, low=0, low_open=True)
         _checks.check_number("epsilon_2", self.epsilon_2, low=0)
         _checks.check_number("clip_threshold", self.clip_threshold, low=0, low_open=True)
         _checks.check_bool("relative_step", self.relative_step)
         _checks.check_number("beta_1", self.beta_1, low=0, high=1, high_open=True, allow_none=True)
-        object.__setattr__(
-            self,
-            "min_dim_size_to_factor",
-            _checks.check_int(
-                "min_dim_size_to_factor", self.min_dim_size_to_factor, low=1, allow_none=True
-            ),
-        )
+        size = check("min_dim_size_to_factor", self.min_dim_size_to_factor, low=1, allow_none=True)
+        set_("min_dim_size_to_factor", size)
         _checks.check_bool("multiply_by_parameter_scale", self.multiply_by_parameter_scale)
-        _checks.check_choice("factored_dims", self.factored_dims, FACTORED_DIMS)
-        object.__setattr__(
-            self, "decay_offset", _checks.check_int("decay_offset", self.decay_offset, low=0)
-        )
+        _checks.check_choice("factored_dims", self.factored_dims, ("last_two", "two_largest"))
+        set_("decay_offset", check("decay_offset", self.decay_offset, low=0))
         _checks.check_number("beta_2_cap", self.beta_2_cap, low=0, high=1, allow_none=True)
-        _checks.check_choice("momentum_dtype", self.momentum_dtype, MOMENTUM_DTYPES)
+        _checks.check_choice("momentum_dtype", self.momentum_dtype, ("float32", "bfloat16"))
         _checks.check_bool("stochastic_rounding", self.stochastic_rounding)
-        seed = _checks.check_int("seed", self.seed, low=0)
+        seed = check("seed", self.seed, low=0)
         if seed >= stochastic_rounding.SEED_LIMIT:
             raise ValueError(
                 f"Argument `seed` must be an int in [0, 2^31). Received: seed={self.seed!r}"
             )
-        object.__setattr__(self, "seed", seed)
+        set_("seed", seed)
 
     def factored_axes(self, shape) -> Optional[tuple[int, int]]:
-        """`(a, b)`, the two axes a variable of this shape is factored over (`a < b` not implied), or None.
+        """`(a, b)`: row statistics are means over axis `b`, column statistics over `a`; None if unfactored.
 
-        The row statistics are means over axis `b` (shape: `shape` without
-        `b`), the column statistics means over axis `a`. `"last_two"`:
-        `(rank - 2, rank - 1)`. `"two_largest"`: as optax's
-        `scale_by_factored_rms`, `b` the largest axis and `a` the second
-        largest, ties broken towards the later axis (numpy's `argsort`, stable
-        at these sizes). Factored only if the smaller of the two is at least
-        `min_dim_size_to_factor`.
+        `"two_largest"` follows optax's `scale_by_factored_rms` (`b` the
+        largest axis, ties towards the later axis); factored only if both are
+        at least `min_dim_size_to_factor`.
         """
         rank = len(shape)
         if rank < 2:
@@ -105,17 +88,12 @@ class AdafactorOptions:
             return None
         return a, b
 
-    def is_factored(self, shape) -> bool:
-        """Whether a variable of this shape keeps row/column statistics only."""
-        return self.factored_axes(shape) is not None
-
     def to_config(self) -> dict:
         return dataclasses.asdict(self)
 
 
-# The options a compiled step takes as arguments (`split_options`): numbers whose value does not
-# shape the computation, so that one compilation serves all their values; each with the value
-# that stands in for it in the options a compilation is keyed by.
+# The options a compiled step takes as arguments: numbers that do not shape the computation, so that
+# one compilation serves all their values; each with the stand-in its compilation is keyed by.
 ARGUMENT_OPTIONS = {
     "beta_2_decay": -0.8,
     "epsilon_1": 1e-30,
@@ -124,21 +102,15 @@ ARGUMENT_OPTIONS = {
     "beta_1": 0.5,
     "beta_2_cap": 1.0,
 }
-
-
-def split_options(options: AdafactorOptions) -> tuple[AdafactorOptions, dict]:
-    return options_math.split_options(options, ARGUMENT_OPTIONS)
-
-
+split_options = functools.partial(options_math.split_options, stand_ins=ARGUMENT_OPTIONS)
 joined_options = options_math.joined_options
 
 
 class Evaluation:
     """How the sums of a step are computed: the neutral form, whole arrays.
 
-    `batch_dims` leading axes index variables stacked together (0 or 1): a
-    sum "over the variable" (`axis=None`) is then one per variable, and so is
-    every per-variable scalar of the step (`[k]`).
+    `batch_dims` leading axes (0 or 1) index stacked variables: a sum over
+    the variable (`axis=None`), and every per-variable scalar, is then `[k]`.
     """
 
     batch_dims = 0
@@ -149,12 +121,11 @@ class Evaluation:
         return tuple(self.sum(square, axis) for axis in axes)
 
     def weighted_square_sum(self, x, weights, axis):
-        """`sum(x^2 * weights, axis)`, `weights` broadcasting against `x`."""
         return self.sum(ops.square(x) * weights, axis)
 
     def sum(self, x, axis):
-        """`sum(x, axis)`; over the variable (`axis=None`) the last axis first (a reduction to a scalar runs
-        on one thread on some compilers, one to rows does not)."""
+        """Over the variable the last axis first: a reduction to a scalar runs on one thread on some
+        compilers, one to rows does not."""
         if axis is not None:
             return ops.sum(x, axis=axis)
         axes = tuple(range(self.batch_dims, len(x.shape)))
@@ -163,7 +134,7 @@ class Evaluation:
         return ops.sum(x, axis=axes) if axes else x
 
     def separately(self, x):
-        """`x` (an array or a tuple), computed apart from what follows: a fusion hint, the identity here."""
+        """`x` (an array or a tuple) computed apart from what follows: a fusion hint, here the identity."""
         return x
 
 
@@ -171,7 +142,7 @@ NEUTRAL = Evaluation()
 
 
 class Batched(Evaluation):
-    """Variables of one shape stacked on a leading axis, each with its own sums and scalars."""
+    """Variables of one shape stacked on a leading axis."""
 
     batch_dims = 1
 
@@ -179,43 +150,20 @@ class Batched(Evaluation):
 BATCHED = Batched()
 
 
-def relative_step_size(learning_rate, step, relative_step: bool):
-    """`rho_t`: the learning rate, capped at `1/sqrt(t)` when `relative_step`."""
-    if relative_step:
-        return ops.minimum(learning_rate, ops.rsqrt(step))
-    return learning_rate
-
-
-def second_moment_decay(step, beta_2_decay, decay_offset=0, beta_2_cap=None):
-    """`beta2_t = min(1 - (t - decay_offset)^beta_2_decay, beta_2_cap)`.
-
-    `t - decay_offset` is floored at 1: before the offset (where optax's
-    schedule is not finite) the decay is that of the first step.
-    """
-    if decay_offset:
-        step = ops.maximum(step - float(decay_offset), 1.0)
-    beta2_t = 1.0 - ops.power(step, beta_2_decay)
-    if beta_2_cap is not None:
-        beta2_t = ops.minimum(beta2_t, beta_2_cap)
-    return beta2_t
-
-
 def clip_factor(update_mean_square, clip_threshold):
-    """`1 / max(1, RMS(u) / d)`: the update clipping of the paper (section 6), given `mean(u^2)`."""
+    """`1 / max(1, RMS(u) / d)`, the update clipping of the paper (section 6)."""
     return 1.0 / ops.maximum(1.0, ops.sqrt(update_mean_square) / clip_threshold)
 
 
 class Preconditioned(NamedTuple):
-    """The first phase's results: the new statistics, and the factors whose product with the gradient is
-    the clipped, scaled update (each broadcasting against the gradient)."""
+    """The new statistics, and the factors whose product with the gradient is the clipped, scaled update."""
 
     slots: tuple
     factors: tuple
 
 
 def _size(x, axes):
-    """The number of elements along `axes` of `x`: a float, or a float32 scalar where a static dimension is
-    unknown (TF's replica updates under `tf.distribute`)."""
+    """Elements along `axes`: a float32 scalar where a dimension is unknown (TF under `tf.distribute`)."""
     shape, size = ops.shape(x), 1
     for axis in axes:
         size = size * shape[axis]
@@ -223,7 +171,7 @@ def _size(x, axes):
 
 
 def _per_variable(scalar, ndim: int, batch_dims: int):
-    """A per-variable scalar (`[]`, or `[k]` stacked) shaped to broadcast against arrays of `ndim` axes."""
+    """A per-variable scalar (`[k]` stacked) shaped to broadcast against arrays of `ndim` axes."""
     return ops.reshape(scalar, (-1,) + (1,) * (ndim - 1)) if batch_dims else scalar
 
 
@@ -238,18 +186,22 @@ def preconditioned(
     factored_axes=None,
     evaluation=NEUTRAL,
 ) -> Preconditioned:
-    """The first phase of a step: float32 `grad`, `param` (or anything `evaluation` sums like it), the slots.
+    """The first phase of a step, on float32 `grad` and `param` (or anything `evaluation` sums like it).
 
     `slots` is `(row, column)` for a variable factored over `factored_axes`
-    `(a, b)` of the variable (None: its last two), `(v,)` otherwise.
-    `learning_rate` and `step` (`iterations + 1`) are float32 scalars.
+    (None: its last two), `(v,)` otherwise; `step` is `iterations + 1`.
     """
     o, ev = options, evaluation
     batch = ev.batch_dims
     ndim = len(grad.shape)
     numel = _size(grad, range(batch, ndim))
-    rho = relative_step_size(learning_rate, step, o.relative_step)
-    beta2_t = second_moment_decay(step, o.beta_2_decay, o.decay_offset, o.beta_2_cap)
+    rho = ops.minimum(learning_rate, ops.rsqrt(step)) if o.relative_step else learning_rate
+    # beta2_t = min(1 - t^beta_2_decay, beta_2_cap), t floored at 1 before `decay_offset` (where
+    # optax's schedule is not finite).
+    t = ops.maximum(step - float(o.decay_offset), 1.0) if o.decay_offset else step
+    beta2_t = 1.0 - ops.power(t, o.beta_2_decay)
+    if o.beta_2_cap is not None:
+        beta2_t = ops.minimum(beta2_t, o.beta_2_cap)
     alpha = rho
     if o.multiply_by_parameter_scale:
         (param_square_sum,) = ev.square_sums(param, (None,))
@@ -283,7 +235,7 @@ def preconditioned(
 
 def update(grad, factors, momentum, options: AdafactorOptions):
     """The second phase, elementwise: `(delta, new_momentum)` of any part of a variable from the same part of
-    its float32 gradient, factors (`Preconditioned.factors`) and momentum (None without `beta_1`)."""
+    its float32 gradient, factors and momentum (None without `beta_1`)."""
     delta = grad
     for factor in factors:
         delta = delta * factor
@@ -295,29 +247,9 @@ def update(grad, factors, momentum, options: AdafactorOptions):
     return delta, momentum
 
 
-def adafactor_update(
-    grad,
-    param,
-    slots,
-    momentum,
-    *,
-    learning_rate,
-    step,
-    options,
-    factored_axes=None,
-    evaluation=NEUTRAL,
-):
+def adafactor_update(grad, param, slots, momentum, *, options, **preconditioned_arguments):
     """One whole step: `(delta, new_slots, new_momentum)`; `param - delta` is the new parameter."""
-    result = preconditioned(
-        grad,
-        param,
-        slots,
-        learning_rate=learning_rate,
-        step=step,
-        options=options,
-        factored_axes=factored_axes,
-        evaluation=evaluation,
-    )
+    result = preconditioned(grad, param, slots, options=options, **preconditioned_arguments)
     delta, momentum = update(grad, result.factors, momentum, options)
     return delta, result.slots, momentum
 
@@ -340,13 +272,8 @@ def float32_update(
 
 
 def rounding(options: AdafactorOptions, step, variable_index, shape, offset=0):
-    """How a float32 result is cast to a variable's dtype: `ops.cast`, or stochastic rounding.
-
-    The rounding's random bits are keyed by the seed, `step` (`iterations + 1`)
-    and the variable's index in the optimizer; `shape` is the variable's
-    static shape (None: the result's) and `offset` the element index of the
-    result's first element when it is a block of the variable.
-    """
+    """How a float32 result is cast to a variable's dtype: `ops.cast`, or stochastic rounding keyed by the
+    seed, `step` and the variable's index (`shape`, `offset`: as `stochastic_round`'s)."""
     if not options.stochastic_rounding:
         return ops.cast
     return functools.partial(

@@ -1,9 +1,5 @@
-"""Blocks of a variable's leading axis.
-
-A step that processes a variable a block of its leading axis at a time
-never holds an intermediate bigger than a block (eager torch, TF graphs on
-CPU): `Blocked` evaluates Adafactor's sums so.
-"""
+"""Blocks of a variable's leading axis: a step processed a block at a time never holds an intermediate
+bigger than a block (eager torch, TF graphs on CPU)."""
 
 from __future__ import annotations
 
@@ -14,17 +10,14 @@ from keras import ops
 
 from keras_tpu_optim._math import adafactor as adafactor_math
 
-# Elements of a block (16 MiB of float32): on CPU, large enough that the number of ops stays small
-# (each parallel op waits for every core), small enough to bound the step's temporaries
-# (CHANGELOG has the measurements).
+# Elements of a block (16 MiB of float32): few enough ops on CPU (each parallel op waits for every
+# core), small enough temporaries (CHANGELOG has the measurements).
 CHUNK_ELEMENTS = 1 << 22
 
 
 def spans(shape, chunk_elements: int = CHUNK_ELEMENTS):
-    """`(start, length)` blocks of the leading axis of about `chunk_elements` elements each; `[None]` for a scalar.
-
-    A block is at least one row of the leading axis, however big the row.
-    """
+    """`(start, length)` blocks of the leading axis, of about `chunk_elements` elements but at least a row;
+    `[None]` for a scalar."""
     if len(shape) == 0:
         return [None]
     rows = shape[0]
@@ -42,12 +35,10 @@ def part(x, span, rows: int):
 
 
 class Blocked(adafactor_math.Evaluation):
-    """Adafactor's sums over blocks of the variable's leading axis: no intermediate bigger than a block.
+    """Adafactor's sums, `inner`'s on each block of the leading axis: added where they reduce that axis.
 
-    Each block's sums are `inner`'s; a sum over the leading axis (or the
-    whole variable) adds the blocks' sums, any other concatenates them.
-    `after(previous)` is the context each block's sums are built in, given
-    the previous block's (a backend's ordering; none by default).
+    `after(previous)`: the context a block's sums are built in, given the previous block's (a backend's
+    ordering).
     """
 
     def __init__(
@@ -67,16 +58,10 @@ class Blocked(adafactor_math.Evaluation):
             previous = block[0]
         if len(results) == 1:
             return results[0]
-        combined = []
-        for axis, sums_of_blocks in zip(axes, zip(*results)):
-            if axis is None or axis == 0:
-                total = sums_of_blocks[0]
-                for value in sums_of_blocks[1:]:
-                    total = total + value
-                combined.append(total)
-            else:
-                combined.append(ops.concatenate(sums_of_blocks, axis=0))
-        return tuple(combined)
+        return tuple(
+            sum(each[1:], each[0]) if axis in (None, 0) else ops.concatenate(each, axis=0)
+            for axis, each in zip(axes, zip(*results))
+        )
 
     def square_sums(self, x, axes):
         return self._blocks(lambda block: self.inner.square_sums(block, axes), axes, x)

@@ -1,14 +1,10 @@
-"""EmbeddingAdam's per-row update as one pure function (docs/algorithms.md#embeddingadam).
-
-`row_update` is the single source of truth for the math: the Keras optimizer
-calls it on the gathered rows of a table (or on the whole table), and the TPU
-export hands the very same function to the JAX SparseCore engine as its
-per-row custom optimizer.
-"""
+"""EmbeddingAdam's per-row update as one pure function (docs/algorithms.md#embeddingadam): `row_update`,
+which the optimizer calls on a table's rows and the TPU export hands to JAX SparseCore."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Optional
 
@@ -57,30 +53,22 @@ class RowUpdateOptions:
         )
 
 
-# The options a compiled row update takes as arguments (`split_options`): numbers whose value
-# does not shape the computation, so that one compilation serves all their values. (The betas
-# stay static: the per-row bias correction takes their logarithms in float64.)
+# The options a compiled row update takes as arguments (`options_math`). The betas stay static: the
+# per-row bias correction takes their logarithms in float64.
 ARGUMENT_OPTIONS = dict.fromkeys(
     "epsilon gradient_clip_min gradient_clip_max clip_weight_min clip_weight_max weight_decay_factor "
     "ema_momentum".split(),
     0.0,
 )
-
-
-def split_options(options: RowUpdateOptions) -> tuple[RowUpdateOptions, dict]:
-    return options_math.split_options(options, ARGUMENT_OPTIONS)
-
-
+split_options = functools.partial(options_math.split_options, stand_ins=ARGUMENT_OPTIONS)
 joined_options = options_math.joined_options
 
 
 def bias_corrected_learning_rate(learning_rate, step, beta_1: float, beta_2: float):
-    """`lr_t = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)`, t = iterations + 1.
+    """`lr_t = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)`, t = iterations + 1; also the TPU export's rate.
 
-    The TPU embedding engines apply no bias correction, so this is also the
-    dynamic learning rate the TPU export feeds them. `1 - beta^t` is computed
-    as `-expm1(t * log(beta))` with `log(beta)` in float64: in float32,
-    `1 - 0.999**1` loses five digits to cancellation.
+    `1 - beta^t` is `-expm1(t * log(beta))`, `log(beta)` in float64: in float32 `1 - 0.999**1` loses five
+    digits.
     """
     return learning_rate * ops.sqrt(_one_minus_power(beta_2, step)) / _one_minus_power(beta_1, step)
 
@@ -92,7 +80,6 @@ def _one_minus_power(beta: float, step):
 
 
 def clip_between(x, low: Optional[float], high: Optional[float]):
-    """Clip with either bound optional (None = unbounded on that side)."""
     if low is not None:
         x = ops.maximum(x, low)
     if high is not None:
@@ -108,24 +95,12 @@ def _per_row(x, like):
 def row_update(
     grad, weight, momenta, velocities, learning_rate, options: RowUpdateOptions, row_steps=None
 ):
-    """Adam on rows, with TPU-embedding semantics.
+    """Adam on float32 rows `[rows, *row_shape]`, with TPU-embedding semantics: the updated
+    `(weight, momenta, velocities)`, then `row_steps` with `bias_correction="per_row"`.
 
-    Args:
-        grad, weight, momenta: float32 arrays of the same shape (`[rows,
-            *row_shape]`, or any shape whose rows are updated independently).
-        velocities: float32, of that shape (`second_moment="full"`) or
-            `[rows]` (`"rowwise"`: one second moment per row, of the mean of
-            `g^2` over the row).
-        learning_rate: a scalar: the bias-corrected rate `lr_t` with
-            `bias_correction="global"`, the uncorrected `lr` with `"per_row"`.
-        options: the static options.
-        row_steps: with `bias_correction="per_row"`, the `[rows]` int32 count
-            of updates each row has had; the row is corrected with
-            `c = row_steps + 1`: `lr_c = lr * sqrt(1 - beta_2^c) / (1 - beta_1^c)`.
-
-    Returns:
-        `(weight, momenta, velocities)`, the updated rows, and the updated
-        `row_steps` after them with `bias_correction="per_row"`.
+    `velocities` is `[rows]` with `second_moment="rowwise"`. `learning_rate` is `lr_t` with
+    `"global"` bias correction, else the uncorrected `lr`, each row corrected with its own
+    `c = row_steps + 1` (`row_steps`: `[rows]` int32).
     """
     o = options
     per_row = o.bias_correction == "per_row"
@@ -162,20 +137,12 @@ def row_update(
 
 
 def ema_catch_up(weight, average, average_steps, count, options: RowUpdateOptions):
-    """The EMA of rows whose weights have not changed since their average was last updated, after `count` EMA updates.
+    """The EMA after `count` Keras EMA updates of rows whose weights are constant since their average
+    reflected `average_steps` (`[rows]`) updates.
 
-    Keras updates the average of every variable at every step `e` (0-based):
-    `average = mu_e * average + (1 - mu_e) * w`, with `mu_e = 0` for the first
-    `options.ema_copy_updates` updates (a copy) and `ema_momentum` after. A row
-    whose `w` is constant since its average reflected `average_steps` updates
-    therefore has, after `count` updates, `w + momentum^(count - average_steps)
-    * (average - w)`, or `w` if one of those updates was a copy. Rows already at
-    `count` (or past it) keep their average bit for bit.
-
-    Args:
-        weight, average: `[rows, *row_shape]` float32.
-        average_steps: `[rows]` int32, the EMA updates each row's average reflects.
-        count: scalar int, the EMA updates to catch up to.
+    Keras's update `e`: `average = mu_e * average + (1 - mu_e) * w`, `mu_e = 0` (a copy) for the first
+    `ema_copy_updates`. So a row has `w + momentum^(count - average_steps) * (average - w)`, or `w` if
+    one of those updates was a copy; rows already at `count` keep their average bit for bit.
     """
     steps = ops.cast(average_steps, "int32")
     count = ops.cast(count, "int32")
@@ -188,14 +155,8 @@ def ema_catch_up(weight, average, average_steps, count, options: RowUpdateOption
 
 
 def ema_rows(old_weight, new_weight, average, average_steps, ema_step, options: RowUpdateOptions):
-    """Keras's EMA update `ema_step` (0-based) on rows whose weights this step changed from `old_weight` to `new_weight`.
-
-    The rows' averages are first caught up over the updates they missed (with
-    their old, constant weights), then updated as Keras does.
-
-    Returns:
-        `(average, average_steps)` of the rows after the update.
-    """
+    """`(average, average_steps)` after Keras's EMA update `ema_step` (0-based) of rows whose weights this
+    step changed: caught up with their old weights, then updated as Keras does."""
     ema_step = ops.cast(ema_step, "int32")
     before = ema_catch_up(old_weight, average, average_steps, ema_step, options)
     momentum = ops.where(ema_step < options.ema_copy_updates, 0.0, options.ema_momentum)
@@ -211,13 +172,10 @@ def ema_rows(old_weight, new_weight, average, average_steps, ema_step, options: 
 
 
 def touched_row_mask(gradient):
-    """`(rows,)` booleans: the rows of a dense gradient with any non-zero (or NaN) entry.
+    """`(rows,)` booleans: the rows of a dense gradient with any non-zero (or NaN) entry, by every backend.
 
-    The one rule of every backend, as `sum(|g|) != 0` over the row: a sum of
-    magnitudes is zero only when every entry is zero (it cannot underflow
-    below its largest term, and a NaN or Inf carries through), on every
-    compiler; a max-reduction may drop NaNs where fast min/max is on (TF's
-    XLA), and a norm squares tiny entries to zero.
+    `sum(|g|) != 0`: it cannot underflow below its largest term and carries NaN, on every compiler; a max
+    may drop NaNs (TF's XLA fast min/max), a norm squares tiny entries to zero.
     """
     if len(gradient.shape) == 1:
         return ops.not_equal(gradient, ops.zeros((), gradient.dtype))
@@ -233,13 +191,8 @@ def mark_touched(gradient, window, number):
 def update_rows_in_float32(
     grad, weight, momenta, velocities, *extra_slots, learning_rate, options, ema_step=None
 ):
-    """`row_update` on rows of any dtype: computed in float32, cast back.
-
-    The slot rows are `options.slot_names`' (`momenta`, `velocities`, then
-    `row_steps` with per-row bias correction, kept as integers; then
-    `average_steps` and `average` with a lazy EMA, updated as Keras's EMA
-    update number `ema_step`).
-    """
+    """`row_update` on rows of any dtype, in float32, and the lazy EMA's (`ema_step`): the slots are
+    `options.slot_names`'."""
     adam_extra = extra_slots[: len(options.adam_slot_names) - 2]
     new_values = row_update(
         ops.cast(grad, "float32"),
@@ -268,19 +221,11 @@ def update_rows_in_float32(
 
 @dataclasses.dataclass(frozen=True)
 class RowUpdate:
-    """One step's row update: `RowUpdate(...)(grad, weight, *slots)` is `update_rows_in_float32` with these
-    arguments, which a backend compiling the update itself reads instead."""
+    """`update_rows_in_float32` with these arguments, which a backend compiling the update reads instead."""
 
     learning_rate: Any
     options: RowUpdateOptions
     ema_step: Any = None
 
     def __call__(self, grad, weight, *slots):
-        return update_rows_in_float32(
-            grad,
-            weight,
-            *slots,
-            learning_rate=self.learning_rate,
-            options=self.options,
-            ema_step=self.ema_step,
-        )
+        return update_rows_in_float32(grad, weight, *slots, **vars(self))

@@ -8,8 +8,8 @@ import dataclasses
 
 
 def split_options(options, stand_ins: dict) -> tuple:
-    """`(structure, values)`: `options` with each set field named in `stand_ins` replaced by its stand-in (a
-    valid value), and those fields' values. `joined_options(structure, values)` gives back `options`."""
+    """`(structure, values)`: `options` with its set fields named in `stand_ins` replaced by their stand-ins,
+    and those fields' values, which `joined_options` puts back."""
     values = {
         name: getattr(options, name) for name in stand_ins if getattr(options, name) is not None
     }
@@ -17,7 +17,7 @@ def split_options(options, stand_ins: dict) -> tuple:
 
 
 def joined_options(structure, values: dict):
-    """`structure` with `values` (arrays inside a compiled function; not checked again, as the numbers were)."""
+    """`structure` with `values`, arrays in a compiled function, not checked again."""
     options = copy.copy(structure)
     for name, value in values.items():
         object.__setattr__(options, name, value)

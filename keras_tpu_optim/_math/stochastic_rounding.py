@@ -44,10 +44,8 @@ def _mix(h):
 
 
 def random_bits(shape, seed, step, variable_index, offset=0):
-    """32 random bits per element (int32 of `shape`): a hash of `(seed, step, variable_index,
-    element index)`, `seed` in `[0, 2^31)`, `step` wrapping modulo 2^32; the element index is
-    the row-major position in `shape` plus `offset` (a block's start in a larger variable).
-    """
+    """32 random bits per element (int32 of `shape`): a hash of `(seed, step, variable_index, element
+    index)`, the index row-major in `shape` plus `offset` (a block's start in a larger variable)."""
     key = _mix(_int32(seed))
     key = _mix(ops.bitwise_xor(key, ops.add(_int32(step), _int32(_STEP_SALT))))
     key = _mix(ops.bitwise_xor(key, ops.add(_int32(variable_index), _int32(_VARIABLE_SALT))))
@@ -70,14 +68,11 @@ def _round_low_bits(x, bits, dropped: int):
 
 
 def stochastic_round(x, dtype, *, seed, step, variable_index, shape=None, offset=0):
-    """float32 `x` rounded stochastically and without bias to `dtype` (`bfloat16`, `float16`).
+    """float32 `x` rounded stochastically and without bias to `dtype` (`bfloat16`, `float16`; others cast).
 
-    One of the two `dtype` values nearest `x`; infinities and NaN pass through, values beyond
-    `dtype`'s range may round to infinity.
-    float16 subnormals (`|x| < 2^-14`) are rounded on `|x| * 2^24`, unbiased for multiples of
-    2^-48; float32 subnormal inputs may differ in bits (some backends flush them). Other
-    dtypes are a plain cast. `shape`: `x`'s static shape if `x.shape` is not fully known;
-    `offset`: as in `random_bits`.
+    Infinities and NaN pass through. float16 subnormals are rounded on `|x| * 2^24`; float32 subnormal
+    inputs may differ in bits (some backends flush them). `shape`: `x`'s static shape if `x.shape` is
+    not fully known.
     """
     dtype = keras.backend.standardize_dtype(dtype)
     if dtype not in ("bfloat16", "float16"):
