@@ -1,14 +1,9 @@
-"""Every use of a private API of Keras, TensorFlow or torch, in one place.
-
-Keras's optimizer subclasses (its own Adam, Adafactor, ...) reach into the base
-class's protected state; ours do too, but only through the functions here, so a
-Keras, TF or torch upgrade that moves something breaks one file, and
-`tests/test_private_api.py` says which use broke. TensorFlow and torch are
-imported inside the functions that need them: importing this module never
-imports a backend.
-"""
+"""Every use of a private API of Keras, TensorFlow or torch, in one place, so an upgrade that moves one
+breaks this file and `tests/test_private_api.py` names the use. Importing it imports no backend."""
 
 from __future__ import annotations
+
+import contextlib
 
 import keras
 
@@ -17,11 +12,9 @@ import keras
 
 def in_stateless_scope() -> bool:
     """Whether Keras is tracing a stateless call (JAX's `stateless_apply`): variables must not be written."""
-    from keras.src.backend.common.stateless_scope import (
-        in_stateless_scope as keras_in_stateless_scope,
-    )
+    from keras.src.backend.common import stateless_scope
 
-    return keras_in_stateless_scope()
+    return stateless_scope.in_stateless_scope()
 
 
 def base_optimizer_keyword_args() -> str:
@@ -37,12 +30,7 @@ def raw_learning_rate(optimizer):
 
 
 def learning_rate_at(optimizer, step):
-    """The (uncorrected) learning rate after `step` applied updates.
-
-    Keras's `_get_current_learning_rate` at a given step instead of at
-    `optimizer.iterations`: a schedule is called with `step`, a zero-argument
-    callable is called, a variable or float is read.
-    """
+    """The (uncorrected) learning rate after `step` updates: Keras's `_get_current_learning_rate` at any step."""
     learning_rate = raw_learning_rate(optimizer)
     if isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule):
         return learning_rate(step)
@@ -69,13 +57,8 @@ def overwritten_with_gradient(optimizer, variable) -> bool:
 
 
 def uses_weight_decay(optimizer, variable) -> bool:
-    """Keras's `exclude_from_weight_decay` decision for `variable`, whether the optimizer is built or not.
-
-    Keras 3.16 makes the decision in `build` (its `_use_weight_decay` raises
-    before) and keeps the check itself as `_is_excluded_from_weight_decay`;
-    3.15's `_use_weight_decay` checks on each call. The EmbeddingAdam of a
-    `layers.Embedding` is never built.
-    """
+    """Keras's `exclude_from_weight_decay` decision, also unbuilt (a `layers.Embedding`'s EmbeddingAdam):
+    Keras 3.16's `_use_weight_decay` raises before `build`, 3.15's checks on each call."""
     if optimizer.built or not hasattr(optimizer, "_is_excluded_from_weight_decay"):
         return optimizer._use_weight_decay(variable)
     return not optimizer._is_excluded_from_weight_decay(variable)
@@ -92,25 +75,33 @@ def moving_averages(optimizer) -> list:
     return list(getattr(optimizer, "_model_variables_moving_average", None) or [])
 
 
+@contextlib.contextmanager
+def moving_averages_left_out(optimizer, left_out):
+    """Within, Keras's EMA list holds None in place of the averages in `left_out`, so its EMA step skips them."""
+    averages = optimizer._model_variables_moving_average
+    kept = [None if any(a is b for b in left_out) else a for a in averages]
+    object.__setattr__(optimizer, "_model_variables_moving_average", kept)  # not tracked
+    try:
+        yield
+    finally:
+        object.__setattr__(optimizer, "_model_variables_moving_average", averages)
+
+
 def raw_iterations(optimizer):
-    """The counter of `apply` calls: `iterations` counts updates, this counts micro-steps under
-    `gradient_accumulation_steps` (Keras updates the EMA once per call, so this numbers the EMA updates)."""
+    """The counter of `apply` calls (micro-steps under `gradient_accumulation_steps`): it numbers the EMA updates."""
     return optimizer._iterations
 
 
-# Keras's EMA hooks, overridden by EmbeddingAdam (a lazy EMA of its tables): its
-# `apply` calls the first after every step's update, the second to install the
-# averages (on `ema_overwrite_frequency`, and from `finalize_variable_values`).
+# Keras's EMA hooks, overridden by EmbeddingAdam (a lazy EMA): `apply` calls the first after every
+# update, the second to install the averages (`ema_overwrite_frequency`, `finalize_variable_values`).
 EMA_HOOKS = (
     "_update_model_variables_moving_average",
     "_overwrite_model_variables_with_average_value",
 )
 
 
-# Keras's step after unscaling, overridden by both optimizers (`keras_tpu_optim._accumulation`:
-# EmbeddingAdam's sparse rows accumulated in place, eager JAX without a compilation a step):
-# `apply` calls it with the filtered gradients and variables; it runs the accumulate-or-update
-# of `gradient_accumulation_steps`, then the EMA.
+# Keras's accumulate-or-update step (then the EMA), which `apply` calls after unscaling; both
+# optimizers override it (`keras_tpu_optim._accumulation`).
 ACCUMULATION_HOOK = "_backend_apply_gradients"
 
 
@@ -167,11 +158,8 @@ def layout_map(distribution):
 
 
 def tf_in_xla_context() -> bool:
-    """Whether the TF op being built will be compiled by XLA (`jit_compile=True`).
-
-    If TF moves the function, says True: the callers' XLA forms are correct
-    everywhere, only slower without XLA.
-    """
+    """Whether the TF op being built will be compiled by XLA; True if TF moved the function (the
+    callers' XLA forms are correct everywhere, only slower)."""
     import tensorflow as tf
 
     try:
@@ -185,11 +173,8 @@ def tf_in_xla_context() -> bool:
 
 
 def torch_sparse_entries(gradient):
-    """`(row indices, values)` of a torch sparse COO gradient, duplicates kept if uncoalesced.
-
-    The public `indices()`/`values()` require a coalesced tensor, and
-    coalescing would sum the duplicates.
-    """
+    """`(row indices, values)` of a torch sparse COO gradient, duplicates kept if uncoalesced (the
+    public `indices()`/`values()` require coalescing, which would sum them)."""
     if gradient.is_coalesced():
         return gradient.indices()[0], gradient.values()
     return gradient._indices()[0], gradient._values()

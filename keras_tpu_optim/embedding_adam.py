@@ -19,14 +19,6 @@ BIAS_CORRECTIONS = ("global", "per_row")
 WINDOW_ROLE = "accumulation_window"
 
 
-def _check_choice(name, value, choices):
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(
-            f"Argument `{name}` must be one of {', '.join(repr(c) for c in choices)}. Received: {name}={value!r}"
-        )
-    return value
-
-
 def _normalize_clipvalue(clipvalue):
     """A scalar c means (-c, c); a (min, max) pair may have None on either side."""
     if clipvalue is None:
@@ -61,16 +53,13 @@ _STATE_DEFINING = frozenset(
 
 
 def _check_arguments(values: dict, weight_decay):
-    """Every argument check of `EmbeddingAdam`, in the constructor and when a hyperparameter is set."""
+    """Every argument check of `EmbeddingAdam`: in the constructor and when a hyperparameter is set."""
     a = types.SimpleNamespace(**values)
     _checks.check_number("beta_1", a.beta_1, low=0, high=1, high_open=True)
     _checks.check_number("beta_2", a.beta_2, low=0, high=1, high_open=True)
     _checks.check_number("epsilon", a.epsilon, low=0, low_open=True)
     for flag in (
-        "lazy_adam",
-        "sum_inside_sqrt",
-        "use_gradient_accumulation",
-        "low_dimensional_packing_status",
+        "lazy_adam sum_inside_sqrt use_gradient_accumulation low_dimensional_packing_status".split()
     ):
         _checks.check_bool(flag, values[flag])
     _checks.check_bool(
@@ -108,8 +97,8 @@ def _check_arguments(values: dict, weight_decay):
             f"Received: slot_variable_creation_fn={a.slot_variable_creation_fn!r}"
         )
     _checks.check_int("max_touched_rows", a.max_touched_rows, low=1, allow_none=True)
-    _check_choice("second_moment", a.second_moment, SECOND_MOMENTS)
-    _check_choice("bias_correction", a.bias_correction, BIAS_CORRECTIONS)
+    _checks.check_choice("second_moment", a.second_moment, SECOND_MOMENTS)
+    _checks.check_choice("bias_correction", a.bias_correction, BIAS_CORRECTIONS)
 
 
 @keras.saving.register_keras_serializable(package="keras_tpu_optim")
@@ -289,31 +278,13 @@ class EmbeddingAdam(OptimizerBase):
         """The axes of the table a slot keeps: all (None), or axis 0 for a rowwise `velocities`."""
         return (0,) if name == "velocities" and self.second_moment == "rowwise" else None
 
-    def _slot_shape(self, variable, name):
-        axes = self._kept_axes(variable, name)
-        return tuple(variable.shape) if axes is None else tuple(variable.shape[i] for i in axes)
-
-    def _row_tables(self):
-        """The lazily updated tables and their row slots (nothing when `lazy_adam=False`)."""
-        if not self.lazy_adam:
-            return [], []
-        tables = [
-            v for v, state in zip(self._trainable_variables, self._states) if state is not None
-        ]
-        return tables, [slot for v in tables for slot in self._row_slots(v)]
-
     @property
     def _plans_slots(self) -> bool:
         # A `slot_variable_creation_fn` makes its own variables, with its own layouts.
         return self.slot_variable_creation_fn is None
 
     def _make_state(self, variable) -> VariableState:
-        """A table's slots, in the order of `_row_update_options().slot_names`.
-
-        `momenta` and `velocities` (`(rows,)` with `second_moment="rowwise"`),
-        made by `slot_variable_creation_fn` if given; then, with
-        `bias_correction="per_row"`, the int32 `row_steps` of shape `(rows,)`.
-        """
+        """A table's slots, in the order of `_row_update_options().slot_names` (the row update reads them so)."""
         if self.slot_variable_creation_fn is None:
             slots = tuple(
                 _slots.add_slot(self, variable, name, kept_axes=self._kept_axes(variable, name))
@@ -337,34 +308,16 @@ class EmbeddingAdam(OptimizerBase):
 
     @property
     def _accumulates_rows(self) -> bool:
-        """Whether Keras's `gradient_accumulation_steps` accumulates sparse gradients by rows: with `lazy_adam`.
-
-        Keras adds every micro-batch's gradient into a dense, table-sized
-        accumulator and zeroes it densely. Here the rows of a sparse gradient
-        (`tf.IndexedSlices`, a torch sparse tensor) are added into the same
-        accumulator in place, and an int32 `accumulation_window` slot of shape
-        `(rows,)` records, per row, the number of the update whose window last
-        touched it. At the update step one scan of that slot lists the
-        window's rows; only they are averaged, updated and zeroed. Keras's
-        numbers, at O(rows touched) a micro-step plus one `(rows,)` scan per
-        update. (On JAX, Keras's stateless dense form is kept.)
-        """
+        """With `lazy_adam`, `gradient_accumulation_steps` adds sparse rows in place and updates only the
+        window's rows (listed by the int32 `accumulation_window` slot), not Keras's dense table a micro-step."""
         return bool(self.lazy_adam and self.gradient_accumulation_steps)
 
     # ---------------------------------------------------------------- lazy EMA
 
     @property
     def _lazy_ema(self) -> bool:
-        """Whether the tables' EMA (Keras's `use_ema`) is kept lazily: with `use_ema` and `lazy_adam`.
-
-        Keras updates every average at every step. A row the step did not touch
-        has constant weights, so its average follows in closed form: it is
-        caught up when the row is next touched (in the row update), and every
-        row is caught up wherever the averages are read
-        (`ema_overwrite_frequency`, `finalize_variable_values`, saving,
-        `catch_up_moving_averages`). Per row, an int32 `average_steps` slot
-        counts the EMA updates its average reflects.
-        """
+        """With `lazy_adam`, an untouched row's average follows in closed form, so it is caught up only when
+        the row is touched or the averages are read (int32 `average_steps` slot: its EMA updates)."""
         return bool(self.use_ema and self.lazy_adam)
 
     def _lazy_averages(self):
@@ -385,12 +338,6 @@ class EmbeddingAdam(OptimizerBase):
         if self._lazy_ema:
             slots += (_private.moving_averages(self)[_private.variable_index(self, variable)],)
         return slots
-
-    def _ema_step(self):
-        """The number of this step's EMA update: Keras updates the averages once per `apply` (micro-step)."""
-        if not self.use_ema:
-            return None
-        return ops.cast(_private.raw_iterations(self), "int32")
 
     def _catch_up(self, count, condition=None):
         """Catch every row of every lazily averaged table up to `count` EMA updates (where `condition` holds)."""
@@ -429,22 +376,11 @@ class EmbeddingAdam(OptimizerBase):
         self._catch_up(ops.cast(_private.raw_iterations(self), "int32"))
 
     def _update_model_variables_moving_average(self, trainable_variables):
-        # Keras's hook (_private.EMA_HOOKS), after every step's update.
-        if not self._lazy_ema:
-            return super()._update_model_variables_moving_average(trainable_variables)
-        lazy = {id(variable) for variable, _, _ in self._lazy_averages()}
-        # Keras's own update for variables without a lazy average (none, unless overwritten with gradients).
-        for var, average in zip(trainable_variables, _private.moving_averages(self)):
-            if average is not None and id(var) not in lazy:
-                not_first_step = ops.not_equal(self.iterations, 0)
-                momentum = ops.multiply(ops.cast(not_first_step, var.dtype), self.ema_momentum)
-                average.assign(
-                    ops.add(
-                        ops.multiply(momentum, average),
-                        ops.multiply(ops.subtract(1, momentum), var),
-                    )
-                )
-        if self.ema_overwrite_frequency:
+        # Keras's hook (_private.EMA_HOOKS): its own EMA step, but the row update keeps the lazy averages.
+        lazy = [average for _, average, _ in self._lazy_averages()]
+        with _private.moving_averages_left_out(self, lazy):
+            super()._update_model_variables_moving_average(trainable_variables)
+        if self._lazy_ema and self.ema_overwrite_frequency:
             # Keras installs the averages after this step: bring every row up to date first.
             due = ops.equal((self.iterations + 1) % self.ema_overwrite_frequency, 0)
             self._catch_up(ops.cast(_private.raw_iterations(self), "int32") + 1, due)
@@ -470,11 +406,8 @@ class EmbeddingAdam(OptimizerBase):
                 )
 
     def _derived_window(self, owner):
-        """The window slot of a state saved without one (dense accumulation): the rows the accumulator holds.
-
-        Rows whose gradients summed to exactly zero are left out, as Keras's
-        dense mean leaves them untouched.
-        """
+        """The window slot of a state saved without one: the accumulator's non-zero rows (Keras's dense mean
+        leaves the others untouched)."""
         accumulator = _private.gradient_accumulators(self)[owner]
         window = ops.zeros((accumulator.shape[0],), "int32")
         number = ops.cast(self.iterations + 1, "int32")
@@ -490,7 +423,8 @@ class EmbeddingAdam(OptimizerBase):
             )
         for name in SLOT_NAMES:
             slot = slots[name]
-            shape = self._slot_shape(var, name)
+            axes = self._kept_axes(var, name) or range(len(var.shape))
+            shape = tuple(var.shape[i] for i in axes)
             if not isinstance(slot, keras.Variable) or tuple(slot.shape) != shape:
                 raise ValueError(
                     f"`slot_variable_creation_fn` must return keras.Variables of shape {shape} for slot "
@@ -512,19 +446,8 @@ class EmbeddingAdam(OptimizerBase):
         # Keras's decay would touch every row every step; ours is lazy (update_step).
         return
 
-    @property
-    def _gradient_clip(self):
-        """The `(min, max)` gradient clip (either side may be None), or None: `clipvalue`, as it is now."""
-        return _normalize_clipvalue(self.clipvalue)
-
     def _row_update_options(self, variable=None) -> adam_math.RowUpdateOptions:
-        """The static options of the row update (`_math.embedding_adam.row_update`).
-
-        Args:
-            variable: the table being updated, to honour Keras's
-                `exclude_from_weight_decay`; None for a table that is not
-                excluded (the TPU export).
-        """
+        """The static options of the row update; `variable` (None: the TPU export) for `exclude_from_weight_decay`."""
         decay, multiply = (
             self.weight_decay_factor,
             bool(self.multiply_weight_decay_factor_by_learning_rate),
@@ -533,7 +456,7 @@ class EmbeddingAdam(OptimizerBase):
             variable is None or _private.uses_weight_decay(self, variable)
         ):
             decay, multiply = self.weight_decay, True
-        low, high = self._gradient_clip or (None, None)
+        low, high = _normalize_clipvalue(self.clipvalue) or (None, None)
         return adam_math.RowUpdateOptions(
             beta_1=self.beta_1,
             beta_2=self.beta_2,
@@ -561,18 +484,16 @@ class EmbeddingAdam(OptimizerBase):
             self.beta_2,
         )
 
-    def _row_learning_rate(self, learning_rate):
-        """The `learning_rate` `row_update` takes: `lr_t` (global bias correction) or `lr` itself (per row)."""
-        if self.bias_correction == "per_row":
-            return ops.cast(learning_rate, "float32")
-        return self._bias_corrected_learning_rate(learning_rate)
-
     def update_step(self, gradient, variable, learning_rate):
         """Update the rows of `variable` present in `gradient` (all rows if not lazy)."""
+        if self.bias_correction == "per_row":  # `row_update` corrects by each row's own count
+            learning_rate = ops.cast(learning_rate, "float32")
+        else:
+            learning_rate = self._bias_corrected_learning_rate(learning_rate)
+        # Keras updates the averages once per `apply` (micro-step): this step's EMA update is numbered so.
+        ema_step = ops.cast(_private.raw_iterations(self), "int32") if self.use_ema else None
         update_rows = adam_math.RowUpdate(
-            self._row_learning_rate(learning_rate),
-            self._row_update_options(variable),
-            self._ema_step(),
+            learning_rate, self._row_update_options(variable), ema_step
         )
         backend.embedding_adam_step(
             gradient,

@@ -263,3 +263,19 @@ def test_keras_step_parts_the_accumulation_calls():
     variable.assign(np.zeros((3, 2), np.float32))
     _private.overwrite_with_moving_averages(optimizer)
     np.testing.assert_allclose(keras.ops.convert_to_numpy(variable), after)
+
+
+def test_moving_averages_left_out_of_keras_ema_step():
+    """EmbeddingAdam's lazy EMA runs Keras's own EMA step with its lazily averaged tables left out."""
+    kernel = keras.Variable(np.ones((3, 2), np.float32))
+    bias = keras.Variable(np.ones((2,), np.float32))
+    optimizer = built(kto.Adafactor(use_ema=True), [kernel, bias])
+    averages = _private.moving_averages(optimizer)
+    with _private.moving_averages_left_out(optimizer, [averages[0]]):
+        left = _private.moving_averages(optimizer)
+        assert left[0] is None and left[1] is averages[1]
+        keras.optimizers.Optimizer._update_model_variables_moving_average(optimizer, [kernel, bias])
+    assert all(a is b for a, b in zip(_private.moving_averages(optimizer), averages, strict=True))
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(averages[0]), 0.0)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(averages[1]), 1.0)
+    assert not any(v is None for v in optimizer.variables)
