@@ -1,6 +1,5 @@
-"""The base class both optimizers share: input checks before anything is updated,
-safe configs, state that cannot be loaded into the wrong optimizer, and an
-optional skip of steps with non-finite gradients."""
+"""The base class both optimizers share: checks before anything is updated, safe configs, a
+checked saved state, and an optional skip of non-finite steps."""
 
 from __future__ import annotations
 
@@ -16,38 +15,25 @@ from keras_tpu_optim import _accumulation, _backend, _checks, _private, _saving,
 from keras_tpu_optim._backend import backend
 
 
+# The keywords of Keras's base optimizer (and ours) that both optimizers pass on to `OptimizerBase`.
+BASE_KEYWORDS = (
+    "learning_rate name weight_decay clipnorm clipvalue global_clipnorm use_ema ema_momentum "
+    "ema_overwrite_frequency loss_scale_factor gradient_accumulation_steps skip_nonfinite_updates"
+).split()
+
+
 class VariableState(NamedTuple):
-    """An optimizer's state for one model variable."""
+    """An optimizer's state for one model variable; `window`: see `EmbeddingAdam._accumulates_rows`."""
 
     slots: tuple
     momentum: Optional[keras.Variable] = None
-    # EmbeddingAdam under `gradient_accumulation_steps`: per row, the update whose window last
-    # touched it (int32, `(rows,)`); see `EmbeddingAdam._accumulates_rows`.
     window: Optional[keras.Variable] = None
 
 
 class OptimizerBase(keras.optimizers.Optimizer):
-    """What both optimizers add to `keras.optimizers.Optimizer`.
-
-    - Every check runs before any variable changes: hyperparameters in the
-      constructor; variable dtypes in `build`; an empty gradient list, a
-      gradient whose shape differs from its variable's and a learning rate that
-      is not a scalar in `apply`.
-    - A callable `learning_rate` is saved by its registered name, so a saved
-      model loads with `safe_mode=True`; an unregistered one cannot be saved
-      (a ValueError says so) rather than needing `safe_mode=False` to load.
-    - The saved optimizer state carries a signature of its variables; loading
-      it into one of ours built differently raises a ValueError naming the
-      difference (Keras would warn and skip, or assign silently).
-    - `skip_nonfinite_updates` (keyword, default False): if True, a step whose
-      gradients contain a NaN or an Inf changes nothing at all — model
-      variables, slots, EMA, gradient accumulators and `iterations` stay as
-      they were (as under `LossScaleOptimizer` and optax's `apply_if_finite`),
-      so a learning-rate schedule does not advance either. Implemented with
-      `ops.cond`, so it compiles under `jax.jit` and `tf.function`. Off, a
-      non-finite gradient propagates into the variables as with any Keras
-      optimizer.
-    """
+    """What both optimizers add to `keras.optimizers.Optimizer`: every check before any variable changes; a
+    callable `learning_rate` saved by its registered name (loads with `safe_mode=True`); a saved state
+    signature checked on load; `skip_nonfinite_updates` (a step with a NaN/Inf gradient changes nothing)."""
 
     # The subclass's own hyperparameters: plain attributes, as on Keras's optimizers, checked when set.
     _HYPERPARAMETERS: frozenset = frozenset()
@@ -62,8 +48,7 @@ class OptimizerBase(keras.optimizers.Optimizer):
         )
 
     def __setattr__(self, name, value):
-        # A hyperparameter set after construction is checked as the constructor checks it and takes effect at
-        # the next step (a traced train step keeps the values it was traced with, as with Keras's optimizers).
+        # A hyperparameter set after construction is checked as the constructor checks it.
         if name in self._HYPERPARAMETERS and self.__dict__.get("_hyperparameters_set"):
             if self.built and value != getattr(self, name) and self._decides_state(name, value):
                 raise ValueError(
@@ -76,20 +61,18 @@ class OptimizerBase(keras.optimizers.Optimizer):
         super().__setattr__(name, value)
 
     def _set_hyperparameters(self, values: dict) -> None:
-        """The constructor's last step: `values` (checked, `_checked_hyperparameters`) become the attributes."""
+        """The constructor's last step: the checked `values` become the attributes."""
         for name, value in self._checked_hyperparameters(values).items():
             setattr(self, name, value)
         self._hyperparameters_set = True
 
     def _checked_hyperparameters(self, values: dict) -> dict:
-        """`values` of every hyperparameter, checked together (a `ValueError` naming the argument), normalised."""
+        """Every hyperparameter's value, checked together (a `ValueError` naming the argument), normalised."""
         return values
 
     def _decides_state(self, name: str, value) -> bool:
-        """Whether setting hyperparameter `name` to `value` would change the optimizer's state (its slots)."""
+        """Whether setting `name` to `value` would change the optimizer's state (its slots)."""
         return False
-
-    # ---------------------------------------------------------------- build
 
     def build(self, var_list):
         """Check the variables, build Keras's state, then each variable's (`_make_state`)."""
@@ -102,28 +85,22 @@ class OptimizerBase(keras.optimizers.Optimizer):
                     f"{type(self).__name__} can only optimize floating-point variables; "
                     f"variable '{_slots.variable_path(variable)}' has dtype {dtype}."
                 )
+        stateful = [not _private.overwritten_with_gradient(self, v) for v in var_list]
         with backend.state_creation_scope():
-            self._build_state(var_list)
-
-    def _build_state(self, var_list):
-        if self._plans_slots:
-            with _slots.planning(self) as planned:
-                for variable in var_list:
-                    if not _private.overwritten_with_gradient(self, variable):
-                        self._make_state(variable)
-            _checks.check_slot_layouts(type(self), planned)
-        super().build(var_list)
-        _slots.record_keras_roles(self)
-        self._platforms = [backend.platform_of(v) for v in var_list]
-        self._states = [
-            None if _private.overwritten_with_gradient(self, v) else self._make_state(v)
-            for v in var_list
-        ]
+            if self._plans_slots:
+                with _slots.planning(self) as planned:
+                    for variable, has_state in zip(var_list, stateful):
+                        if has_state:
+                            self._make_state(variable)
+                _checks.check_slot_layouts(type(self), planned)
+            super().build(var_list)
+            _slots.record_keras_roles(self)
+            self._platforms = [backend.platform_of(v) for v in var_list]
+            self._states = [self._make_state(v) if s else None for v, s in zip(var_list, stateful)]
 
     @property
     def _plans_slots(self) -> bool:
-        """Whether `_make_state` can run in `_slots.planning` (only `_slots.add_slot` creates state),
-        so `build` checks the slots' layouts before creating anything."""
+        """Whether `_make_state` can run in `_slots.planning`, to check the layouts before creating anything."""
         return True
 
     def _make_state(self, variable) -> VariableState:
@@ -135,18 +112,14 @@ class OptimizerBase(keras.optimizers.Optimizer):
 
     def _accumulation_window(self, variable):
         """The `window` slot of `variable` (`_accumulates_rows`), or None."""
-        state = self._state_of(variable)
-        return None if state is None else state.window
+        return getattr(self._state_of(variable), "window", None)
 
     def _platform_of(self, variable) -> str:
         """Where `variable` lives (`"cpu"`, `"gpu"`, `"tpu"`, ...), which picks its kernels."""
         return self._platforms[_private.variable_index(self, variable)]
 
-    # ---------------------------------------------------------------- apply
-
     def apply(self, grads, trainable_variables=None):
-        # NumPy gradients work with Keras's optimizers on every backend; make
-        # them backend tensors once, so the torch paths see torch tensors.
+        # NumPy gradients work with Keras's optimizers: made tensors once, so torch paths see torch tensors.
         grads = [ops.convert_to_tensor(g) if isinstance(g, np.ndarray) else g for g in grads]
         if not grads:
             raise ValueError(
@@ -166,10 +139,14 @@ class OptimizerBase(keras.optimizers.Optimizer):
                 else backend.checked_gradient(g, v, functools.partial(self._mismatch, v))
                 for g, v in zip(grads, variables)
             ]
-        self._check_learning_rate_is_scalar()
+        shape = tuple(getattr(self.learning_rate, "shape", ()))
+        if shape:
+            raise ValueError(
+                f"{type(self).__name__}: the learning rate must be a scalar, but "
+                f"{_private.raw_learning_rate(self)!r} returned a value of shape {shape}."
+            )
         if self.loss_scale_factor is not None:
-            # Keras unscales with `g / scale`, which tf.IndexedSlices does not
-            # support; unscale here, sparse gradients included, instead.
+            # Keras unscales with `g / scale`, which tf.IndexedSlices does not support.
             grads = [
                 None if g is None else backend.unscale(g, self.loss_scale_factor) for g in grads
             ]
@@ -189,12 +166,12 @@ class OptimizerBase(keras.optimizers.Optimizer):
     def _apply_unscaled(self, grads, trainable_variables, variables):
         if not self.skip_nonfinite_updates:
             return super().apply(grads, trainable_variables)
-
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(variables)
             self.built = True
-        finite = self._all_finite(grads)
+        checks = [ops.all(ops.isfinite(backend.gradient_values(g))) for g in grads if g is not None]
+        finite = ops.all(ops.stack(checks)) if checks else ops.convert_to_tensor(True)
         state = _private.trainable_variables(self) + list(self.variables)
         backend.apply_if(
             finite, lambda: super(OptimizerBase, self).apply(grads, trainable_variables), state
@@ -207,35 +184,14 @@ class OptimizerBase(keras.optimizers.Optimizer):
         return False
 
     def _backend_apply_gradients(self, grads, trainable_variables):
-        # Keras's hook (_private.ACCUMULATION_HOOK). Replaced only under `gradient_accumulation_steps`, where
-        # Keras's would accumulate sparse rows densely or compile both branches eagerly (`_accumulation`).
+        # Keras's hook (_private.ACCUMULATION_HOOK), replaced under `gradient_accumulation_steps` only.
         _accumulation.apply_gradients(
             self, grads, trainable_variables, super()._backend_apply_gradients
         )
 
-    def _all_finite(self, grads):
-        """A scalar boolean tensor: every entry of every gradient is finite."""
-        checks = [ops.all(ops.isfinite(backend.gradient_values(g))) for g in grads if g is not None]
-        if not checks:
-            return ops.convert_to_tensor(True)
-        return ops.all(ops.stack(checks))
-
-    def _check_learning_rate_is_scalar(self):
-        learning_rate = self.learning_rate
-        shape = tuple(getattr(learning_rate, "shape", ()))
-        if shape:
-            raise ValueError(
-                f"{type(self).__name__}: the learning rate must be a scalar, but "
-                f"{_private.raw_learning_rate(self)!r} returned a value of shape {shape}."
-            )
-
     def finalize_variable_values(self, var_list):
-        """With EMA, install the averages as the model's weights (as Keras does) — as copies.
-
-        Keras assigns each average's own array: on JAX the model variable and its
-        average then share one buffer, and the next `fit` (whose jitted step
-        donates both) fails with "Attempt to donate the same buffer twice".
-        """
+        """With EMA, install copies of the averages as the weights: Keras's own arrays would share a buffer
+        with the averages on JAX, which the next `fit`'s jitted step cannot donate twice."""
         if not self.use_ema:
             return
         self.catch_up_moving_averages()
@@ -246,18 +202,11 @@ class OptimizerBase(keras.optimizers.Optimizer):
             if average is not None:
                 variable.assign(ops.copy(average.value))
 
-    # ---------------------------------------------------------------- config
-
     def get_config(self):
         learning_rate = _private.raw_learning_rate(self)
-        is_function = (
-            callable(learning_rate)
-            and not isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule)
-            and not isinstance(learning_rate, keras.Variable)
-        )
-        if is_function:
-            # Keras would save the function's bytecode, loadable only with
-            # safe_mode=False: save its registered name, or refuse.
+        schedule = keras.optimizers.schedules.LearningRateSchedule
+        if callable(learning_rate) and not isinstance(learning_rate, (schedule, keras.Variable)):
+            # Keras would save its bytecode (safe_mode=False only): its registered name, or refuse.
             name = _checks.serialize_callable("learning_rate", learning_rate)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # Keras's lambda warning, about what we replace.
@@ -277,19 +226,13 @@ class OptimizerBase(keras.optimizers.Optimizer):
             )
         return super().from_config(config, custom_objects=custom_objects)
 
-    # ---------------------------------------------------------------- state
-
     def catch_up_moving_averages(self):
         """Bring every stored EMA up to date (subclasses that update it lazily); a no-op here."""
         return
 
     def _optional_state_roles(self) -> frozenset:
-        """Roles of state a saved state may lack and `_fill_missing_state` can derive (subclasses)."""
+        """Roles of state a saved state may lack: the subclass's `_fill_missing_state` derives them."""
         return frozenset()
-
-    def _fill_missing_state(self, variables) -> None:
-        """Set state variables a loaded state lacked (their roles are in `_optional_state_roles`)."""
-        raise NotImplementedError
 
     def save_own_variables(self, store):
         self.catch_up_moving_averages()
@@ -307,16 +250,10 @@ class OptimizerBase(keras.optimizers.Optimizer):
         store[_saving.STATE_SIGNATURE_KEY] = _saving.encode(_saving.describe_state(self))
 
     def load_own_variables(self, store):
-        keys = set(store.keys())
-        signature = (
-            _saving.decode(store[_saving.STATE_SIGNATURE_KEY])
-            if _saving.STATE_SIGNATURE_KEY in keys
-            else None
-        )
+        keys, key = set(store.keys()), _saving.STATE_SIGNATURE_KEY
+        signature = _saving.decode(store[key]) if key in keys else None
         if signature is None:
-            # Not our state (e.g. a model trained with keras.optimizers.Adam and
-            # fine-tuned with ours): as Keras does for another optimizer's
-            # state, warn and start fresh — never assign it position by position.
+            # Not ours (e.g. keras.optimizers.Adam's): warn and start fresh, as Keras does for another's.
             if keys:
                 warnings.warn(
                     f"Skipping variable loading for optimizer '{self.name}': the saved optimizer "
@@ -335,18 +272,13 @@ class OptimizerBase(keras.optimizers.Optimizer):
             return
         current = _saving.describe_state(self)
         # State this version derives when the saved one lacks it (e.g. written before it existed).
-        saved_roles = {entry["role"] for entry in signature["variables"]}
-        missing = [
-            i
-            for i, entry in enumerate(current["variables"])
-            if entry["role"] in self._optional_state_roles() and entry["role"] not in saved_roles
-        ]
+        lacking = self._optional_state_roles() - {entry["role"] for entry in signature["variables"]}
+        missing = [i for i, entry in enumerate(current["variables"]) if entry["role"] in lacking]
         kept = [i for i in range(len(current["variables"])) if i not in missing]
         matched = dict(current, variables=[current["variables"][i] for i in kept])
         pairs, differences = _saving.match_variables(signature, matched)
         if differences and not self.built:
-            # Saved slots, none here yet. (State without slots, e.g. an unbuilt optimizer's
-            # iterations, loads as Keras's does.)
+            # Saved slots, none here yet (state without slots loads as Keras's does).
             warnings.warn(
                 f"Skipping variable loading for optimizer '{self.name}', because it has not "
                 "been called/built yet. Build it (optimizer.build(model.trainable_variables)) "

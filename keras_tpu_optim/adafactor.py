@@ -8,7 +8,7 @@ import keras
 
 from keras_tpu_optim import _private, _slots
 from keras_tpu_optim._backend import backend
-from keras_tpu_optim._base import OptimizerBase, VariableState
+from keras_tpu_optim._base import BASE_KEYWORDS, OptimizerBase, VariableState
 from keras_tpu_optim._math.adafactor import AdafactorOptions
 
 # What decides the optimizer's state (which slots, of which shapes, dtypes): fixed once it is built.
@@ -152,25 +152,10 @@ class Adafactor(OptimizerBase):
         name=None,
         **kwargs,
     ):
+        arguments = locals()
         # Checked before the base class creates variables.
-        options = AdafactorOptions(
-            **{name: value for name, value in locals().items() if name in _OPTION_NAMES}
-        )
-        super().__init__(
-            learning_rate=learning_rate,
-            name=name,
-            weight_decay=weight_decay,
-            clipnorm=clipnorm,
-            clipvalue=clipvalue,
-            global_clipnorm=global_clipnorm,
-            use_ema=use_ema,
-            ema_momentum=ema_momentum,
-            ema_overwrite_frequency=ema_overwrite_frequency,
-            loss_scale_factor=loss_scale_factor,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            skip_nonfinite_updates=skip_nonfinite_updates,
-            **kwargs,
-        )
+        options = AdafactorOptions(**{key: arguments[key] for key in _OPTION_NAMES})
+        super().__init__(**{key: arguments[key] for key in BASE_KEYWORDS}, **kwargs)
         self._set_hyperparameters(options.to_config())
 
     _HYPERPARAMETERS = _OPTION_NAMES
@@ -185,37 +170,23 @@ class Adafactor(OptimizerBase):
         )
 
     def _make_state(self, variable) -> VariableState:
-        """Row and column statistics (factored) or a full `v` (unfactored), and the momentum if `beta_1`.
-
-        A variable factored over axes `(a, b)` (`options.factored_axes`) keeps
-        row statistics without axis `b` and column statistics without axis `a`.
-        """
+        """Row and column statistics (factored over axes `(a, b)`: without `b`, without `a`) or a full `v`,
+        and the momentum if `beta_1`."""
         rank = len(variable.shape)
         axes = self._options.factored_axes(variable.shape)
         if axes is not None:
-            a, b = axes
+            row, column = ([i for i in range(rank) if i != dropped] for dropped in reversed(axes))
             slots = (
-                _slots.add_slot(
-                    self,
-                    variable,
-                    "row_second_moment",
-                    kept_axes=[i for i in range(rank) if i != b],
-                ),
-                _slots.add_slot(
-                    self,
-                    variable,
-                    "column_second_moment",
-                    kept_axes=[i for i in range(rank) if i != a],
-                ),
+                _slots.add_slot(self, variable, "row_second_moment", kept_axes=row),
+                _slots.add_slot(self, variable, "column_second_moment", kept_axes=column),
             )
         else:
             slots = (_slots.add_slot(self, variable, "second_moment"),)
-        momentum = None
-        if self._options.beta_1 is not None:
-            momentum = _slots.add_slot(
-                self, variable, "momentum", dtype=self._options.momentum_dtype
-            )
-        return VariableState(slots, momentum)
+        if self._options.beta_1 is None:
+            return VariableState(slots)
+        return VariableState(
+            slots, _slots.add_slot(self, variable, "momentum", dtype=self._options.momentum_dtype)
+        )
 
     def update_step(self, gradient, variable, learning_rate):
         """Update step given gradient and the associated model variable."""
@@ -249,9 +220,7 @@ class Adafactor(OptimizerBase):
         )
 
     def get_config(self):
-        config = super().get_config()
-        config.update(self._options.to_config())
-        return config
+        return {**super().get_config(), **self._options.to_config()}
 
 
 Adafactor.__doc__ = Adafactor.__doc__.replace(

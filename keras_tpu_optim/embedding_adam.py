@@ -9,7 +9,7 @@ from keras import ops
 
 from keras_tpu_optim import _checks, _private, _slots
 from keras_tpu_optim._backend import backend
-from keras_tpu_optim._base import OptimizerBase, VariableState
+from keras_tpu_optim._base import BASE_KEYWORDS, OptimizerBase, VariableState
 from keras_tpu_optim._math import embedding_adam as adam_math
 
 SLOT_NAMES = ("momenta", "velocities")
@@ -45,6 +45,9 @@ _HYPERPARAMETERS = (
     "clip_weight_max weight_decay_factor multiply_weight_decay_factor_by_learning_rate "
     "slot_variable_creation_fn clipvalue low_dimensional_packing_status max_touched_rows "
     "second_moment bias_correction"
+).split()
+_ROW_UPDATE_HYPERPARAMETERS = (
+    "beta_1 beta_2 epsilon sum_inside_sqrt clip_weight_min clip_weight_max second_moment bias_correction"
 ).split()
 # What decides the optimizer's state (which slots, of which shapes): fixed once it is built.
 _STATE_DEFINING = frozenset(
@@ -244,26 +247,14 @@ class EmbeddingAdam(OptimizerBase):
         name=None,
         **kwargs,
     ):
+        arguments = locals()
+        hyperparameters = {key: arguments[key] for key in _HYPERPARAMETERS}
         # Validate everything before the base class creates variables.
-        arguments = {name: value for name, value in locals().items() if name in _HYPERPARAMETERS}
-        _check_arguments(arguments, weight_decay)
-        super().__init__(
-            learning_rate=learning_rate,
-            name=name,
-            weight_decay=weight_decay,
-            clipnorm=clipnorm,
-            clipvalue=None,  # Ours: clipped per row, after duplicates are summed.
-            global_clipnorm=global_clipnorm,
-            use_ema=use_ema,
-            ema_momentum=ema_momentum,
-            ema_overwrite_frequency=ema_overwrite_frequency,
-            loss_scale_factor=loss_scale_factor,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            skip_nonfinite_updates=skip_nonfinite_updates,
-            **kwargs,
-        )
-        # `clipvalue`: ours, applied per row after duplicates are summed (not Keras's, which it passed None).
-        self._set_hyperparameters(arguments)
+        _check_arguments(hyperparameters, weight_decay)
+        base = {key: arguments[key] for key in BASE_KEYWORDS}
+        # `clipvalue` is ours, not Keras's: clipped per row, after duplicates are summed.
+        super().__init__(**dict(base, clipvalue=None), **kwargs)
+        self._set_hyperparameters(hyperparameters)
 
     _HYPERPARAMETERS = frozenset(_HYPERPARAMETERS)
 
@@ -292,27 +283,21 @@ class EmbeddingAdam(OptimizerBase):
             )
         else:
             slots = self._create_slots_with_user_fn(variable)
-        if self.bias_correction == "per_row":
-            slots += (_slots.add_slot(self, variable, "row_steps", kept_axes=(0,), dtype="int32"),)
-        if self._lazy_ema:
-            # The EMA updates each row's average reflects (see `_ema_step`).
-            slots += (
-                _slots.add_slot(self, variable, "average_steps", kept_axes=(0,), dtype="int32"),
-            )
-        window = None
-        if self._accumulates_rows:
-            window = _slots.add_slot(self, variable, WINDOW_ROLE, kept_axes=(0,), dtype="int32")
-        return VariableState(slots, window=window)
 
-    # ---------------------------------------------------------------- gradient accumulation
+        def per_row(role):
+            return _slots.add_slot(self, variable, role, kept_axes=(0,), dtype="int32")
+
+        if self.bias_correction == "per_row":
+            slots += (per_row("row_steps"),)
+        if self._lazy_ema:
+            slots += (per_row("average_steps"),)
+        return VariableState(slots, window=per_row(WINDOW_ROLE) if self._accumulates_rows else None)
 
     @property
     def _accumulates_rows(self) -> bool:
         """With `lazy_adam`, `gradient_accumulation_steps` adds sparse rows in place and updates only the
         window's rows (listed by the int32 `accumulation_window` slot), not Keras's dense table a micro-step."""
         return bool(self.lazy_adam and self.gradient_accumulation_steps)
-
-    # ---------------------------------------------------------------- lazy EMA
 
     @property
     def _lazy_ema(self) -> bool:
@@ -324,13 +309,10 @@ class EmbeddingAdam(OptimizerBase):
         """`(variable, average, average_steps)` of every table whose EMA is kept lazily."""
         if not self._lazy_ema or not self.built:
             return []
-        variables = _private.trainable_variables(self)
-        averages = _private.moving_averages(self)
-        triples = []
-        for index, (variable, state) in enumerate(zip(variables, self._states)):
-            if state is not None and averages[index] is not None:
-                triples.append((variable, averages[index], state.slots[-1]))
-        return triples
+        states = zip(
+            _private.trainable_variables(self), self._states, _private.moving_averages(self)
+        )
+        return [(v, a, s.slots[-1]) for v, s, a in states if s is not None and a is not None]
 
     def _row_slots(self, variable) -> tuple:
         """The slots the row paths gather with the table, in the order of `_row_update_options().slot_names`."""
@@ -345,16 +327,10 @@ class EmbeddingAdam(OptimizerBase):
         for variable, average, steps in self._lazy_averages():
 
             def caught_up(variable=variable, average=average, steps=steps):
-                value = adam_math.ema_catch_up(
-                    ops.cast(variable.value, "float32"),
-                    ops.cast(average.value, "float32"),
-                    steps.value,
-                    count,
-                    options,
-                )
-                return ops.cast(value, average.dtype), ops.maximum(
-                    steps.value, ops.cast(count, steps.dtype)
-                )
+                weight, mean = (ops.cast(v.value, "float32") for v in (variable, average))
+                value = adam_math.ema_catch_up(weight, mean, steps.value, count, options)
+                new_steps = ops.maximum(steps.value, ops.cast(count, steps.dtype))
+                return ops.cast(value, average.dtype), new_steps
 
             if condition is None:
                 new_average, new_steps = caught_up()
@@ -397,21 +373,15 @@ class EmbeddingAdam(OptimizerBase):
         for variable in variables:
             owner, role = _slots.role_of(self, variable)
             if role == WINDOW_ROLE:
-                variable.assign(self._derived_window(owner))
+                # Saved under dense accumulation: the accumulator's non-zero rows (Keras's mean skips the rest).
+                accumulator = ops.convert_to_tensor(_private.gradient_accumulators(self)[owner])
+                window = ops.zeros((accumulator.shape[0],), "int32")
+                number = ops.cast(self.iterations + 1, "int32")
+                variable.assign(adam_math.mark_touched(accumulator, window, number))
             else:
                 # State saved before the EMA was lazy: its averages were updated at every step.
-                count = ops.cast(_private.raw_iterations(self), "int32")
-                variable.assign(
-                    ops.zeros(variable.shape, variable.dtype) + ops.cast(count, variable.dtype)
-                )
-
-    def _derived_window(self, owner):
-        """The window slot of a state saved without one: the accumulator's non-zero rows (Keras's dense mean
-        leaves the others untouched)."""
-        accumulator = _private.gradient_accumulators(self)[owner]
-        window = ops.zeros((accumulator.shape[0],), "int32")
-        number = ops.cast(self.iterations + 1, "int32")
-        return adam_math.mark_touched(ops.convert_to_tensor(accumulator), window, number)
+                count = ops.cast(_private.raw_iterations(self), variable.dtype)
+                variable.assign(ops.broadcast_to(count, variable.shape))
 
     def _create_slots_with_user_fn(self, var):
         initializers = [keras.initializers.Zeros() for _ in SLOT_NAMES]
@@ -436,8 +406,7 @@ class EmbeddingAdam(OptimizerBase):
         return tuple(slots[name] for name in SLOT_NAMES)
 
     def _clip_gradients(self, grads):
-        # Keras's clipnorm/global_clipnorm only (Keras clips by value only without them): clipvalue acts in the
-        # row update, per row after duplicate ids are summed, and only on touched rows.
+        # Keras's clipnorm/global_clipnorm only: our clipvalue acts per touched row, after duplicates are summed.
         if (self.clipnorm or 0) > 0 or (self.global_clipnorm or 0) > 0:
             return super()._clip_gradients(grads)
         return grads
@@ -448,28 +417,19 @@ class EmbeddingAdam(OptimizerBase):
 
     def _row_update_options(self, variable=None) -> adam_math.RowUpdateOptions:
         """The static options of the row update; `variable` (None: the TPU export) for `exclude_from_weight_decay`."""
-        decay, multiply = (
-            self.weight_decay_factor,
-            bool(self.multiply_weight_decay_factor_by_learning_rate),
-        )
+        decay = self.weight_decay_factor
+        multiply = bool(self.multiply_weight_decay_factor_by_learning_rate)
         if self.weight_decay is not None and (
             variable is None or _private.uses_weight_decay(self, variable)
         ):
             decay, multiply = self.weight_decay, True
         low, high = _normalize_clipvalue(self.clipvalue) or (None, None)
         return adam_math.RowUpdateOptions(
-            beta_1=self.beta_1,
-            beta_2=self.beta_2,
-            epsilon=self.epsilon,
-            sum_inside_sqrt=self.sum_inside_sqrt,
+            **{name: getattr(self, name) for name in _ROW_UPDATE_HYPERPARAMETERS},
             gradient_clip_min=low,
             gradient_clip_max=high,
-            clip_weight_min=self.clip_weight_min,
-            clip_weight_max=self.clip_weight_max,
             weight_decay_factor=decay,
             multiply_weight_decay_factor_by_learning_rate=multiply,
-            second_moment=self.second_moment,
-            bias_correction=self.bias_correction,
             ema_momentum=self.ema_momentum if self._lazy_ema else None,
             ema_copy_updates=self.gradient_accumulation_steps or 1,
         )
@@ -492,14 +452,11 @@ class EmbeddingAdam(OptimizerBase):
             learning_rate = self._bias_corrected_learning_rate(learning_rate)
         # Keras updates the averages once per `apply` (micro-step): this step's EMA update is numbered so.
         ema_step = ops.cast(_private.raw_iterations(self), "int32") if self.use_ema else None
-        update_rows = adam_math.RowUpdate(
-            learning_rate, self._row_update_options(variable), ema_step
-        )
         backend.embedding_adam_step(
             gradient,
             variable,
             self._row_slots(variable),
-            update_rows,
+            adam_math.RowUpdate(learning_rate, self._row_update_options(variable), ema_step),
             lazy=self.lazy_adam,
             accumulate_duplicates=self.use_gradient_accumulation,
             max_touched_rows=self.max_touched_rows,
