@@ -58,8 +58,7 @@ def check_choice(name: str, value, choices):
 
 
 def serialize_callable(argument: str, fn):
-    """A callable argument as its registered name, so configs load with `safe_mode=True`
-    (an unregistered one could only be restored from bytecode: refused now instead)."""
+    """A callable argument as its registered name, so configs load with `safe_mode=True`."""
     if fn is None:
         return None
     try:
@@ -112,8 +111,7 @@ def _current_layout_map():
 
 
 def check_layout_map(optimizer_class, name) -> None:
-    """Refuse a LayoutMap that shards the optimizer's scalars (JAX would fail deep in its
-    sharding code): a broad key such as '.*embedding.*' matches `embedding_adam/iteration`."""
+    """Refuse a LayoutMap that shards the optimizer's scalars, which JAX would fail on deep inside."""
     layouts = _current_layout_map()
     if layouts is None:
         return
@@ -132,8 +130,7 @@ def check_layout_map(optimizer_class, name) -> None:
 
 
 def check_slot_layouts(optimizer_class, planned) -> None:
-    """Refuse a LayoutMap key that matches a state variable but not its model variable: the
-    state follows its model variable's layout and would silently ignore (or mis-rank) it."""
+    """Refuse a LayoutMap key matching a state variable but not its model variable (it would be ignored)."""
     layouts = _current_layout_map()
     if layouts is None:
         return

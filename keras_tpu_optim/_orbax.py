@@ -1,6 +1,5 @@
-"""Resuming from a `keras.callbacks.OrbaxCheckpoint`, the saved state checked first: Keras's
-loaders assign by path and silently skip every path that does not match (another optimizer
-configuration, an unbuilt optimizer, renamed variables), with no hook to check before."""
+"""Resuming from a `keras.callbacks.OrbaxCheckpoint`, checked first: Keras's loaders silently skip
+every path that does not match, with no hook to check before."""
 
 from __future__ import annotations
 
@@ -50,7 +49,7 @@ def _flatten(tree, prefix="") -> dict:
 
 
 def _saved_optimizer_config(root: str, step) -> dict | None:
-    """The saving optimizer's config, from the checkpoint's model config (for the message only)."""
+    """The saving optimizer's config (for the error message only)."""
     try:
         checkpointer = _ocp().training.Checkpointer(directory=root)
         loaded = checkpointer.load_checkpointables(step, {"model_config": None})
@@ -61,8 +60,7 @@ def _saved_optimizer_config(root: str, step) -> dict | None:
 
 
 def _shape_and_dtype(meta) -> tuple[tuple[int, ...], str]:
-    # On TensorFlow and torch, OrbaxCheckpoint saves scalars (the iteration counter, a float
-    # learning rate) as Python numbers.
+    # On TensorFlow and torch, OrbaxCheckpoint saves scalars as Python numbers.
     if hasattr(meta, "shape") and hasattr(meta, "dtype"):
         return tuple(int(d) for d in meta.shape), standardize_dtype(meta.dtype)
     if isinstance(meta, (bool, int)):
@@ -89,8 +87,7 @@ def _describe(shape, dtype) -> str:
 def checkpoint_differences(model, metadata: dict) -> list[str]:
     """What differs between a checkpoint's `pytree` metadata and `model` (and its optimizer)."""
     differences = []
-    # A float learning rate is a variable, a schedule is not: switching on resume is
-    # legitimate (as with .keras files), so that variable may be missing on either side.
+    # A float learning rate is a variable, a schedule is not: either may resume the other.
     learning_rate = f"{model.optimizer.name}/learning_rate"
     for group, variables in [
         ("trainable_variables", model.trainable_variables),
@@ -175,9 +172,8 @@ def load_checkpoint(model, directory) -> None:
 
 
 def _abstract_tree(metadata: dict, state: dict) -> dict:
-    """The checkpoint's arrays as `jax.ShapeDtypeStruct`s placed like this model's variables
-    (without a distribution Keras lets Orbax place them as saved, failing where those devices
-    are missing); one with no variable here (`set_state_tree` skips it) goes to the first device."""
+    """The checkpoint's arrays placed like this model's variables (Orbax would place them as saved,
+    failing where those devices are missing); one with no variable here goes to the first device."""
     import jax
 
     here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

@@ -1,12 +1,5 @@
-"""The optimizer-state signature saved beside the variables, and the check made on load.
-
-Keras loads an optimizer's variables by position once their count matches, whatever they
-mean: a factored Adafactor and a full one could resume with each other's statistics. So
-`OptimizerBase` also writes `STATE_SIGNATURE_KEY`, JSON as uint8 bytes (which every weights
-store and backend accepts): the class, each variable's role (slot name, or its own name for
-`iterations`, `learning_rate`, a `slot_variable_creation_fn` slot), model variable (as
-recorded by `_slots`), shape and dtype, and the config, so an error can name the setting.
-"""
+"""The state signature saved beside the optimizer's variables (JSON as uint8 bytes, which every store
+accepts), checked on load: Keras loads by position whatever the variables mean."""
 
 from __future__ import annotations
 
@@ -22,13 +15,12 @@ from keras_tpu_optim import _private, _slots
 STATE_SIGNATURE_KEY = "keras_tpu_optim_state_signature"
 SIGNATURE_FORMAT = 1
 
-# A float learning rate makes a variable, a schedule does not: switching between the two
-# on resume is legitimate, so the learning rate is matched by role, not position.
+# A float learning rate makes a variable, a schedule does not: either may resume the other.
 _LEARNING_RATE_ROLE = "learning_rate"
 
 
 def describe_state(optimizer) -> dict[str, Any]:
-    """The signature of `optimizer`'s current variables (see the module docstring)."""
+    """The class, each variable's role, model variable, shape and dtype, and the config (for errors)."""
     model_variables = _private.trainable_variables(optimizer)
     entries = []
     for variable in optimizer.variables:
@@ -71,8 +63,7 @@ def decode(stored) -> dict[str, Any] | None:
 
 
 def _same_dtype(saved: str, current: str) -> bool:
-    # The iteration counter is int64 on TF/torch and int32 on JAX: a file must
-    # move between backends, so integers only need to stay integers.
+    # The iteration counter's int dtype differs between backends: integers need only stay integers.
     if saved.startswith(("int", "uint")) and current.startswith(("int", "uint")):
         return True
     return saved == current
@@ -86,8 +77,7 @@ def _entry_text(entry: dict[str, Any]) -> str:
 def _entries_fit(saved: dict[str, Any], current: dict[str, Any]) -> bool:
     if saved["shape"] != current["shape"] or not _same_dtype(saved["dtype"], current["dtype"]):
         return False
-    # Two variables of no model variable (e.g. made by a `slot_variable_creation_fn`) may be
-    # auto-numbered differently in another model instance: their names need not match.
+    # Variables of no model variable (a `slot_variable_creation_fn`'s) may be numbered differently.
     unowned = saved["of"] is None and current["of"] is None
     return unowned or (saved["role"] == current["role"] and saved["of"] == current["of"])
 
@@ -123,20 +113,16 @@ def match_variables(saved: dict[str, Any], current: dict[str, Any]):
     return pairs + list(zip(saved_lr[:1], current_lr[:1])), []
 
 
-def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    saved_config, current_config = saved.get("config"), current.get("config")
-    if not isinstance(saved_config, dict) or not isinstance(current_config, dict):
-        return []
-    return [
-        f"{key}={saved_config.get(key)!r} (saved) vs {current_config.get(key)!r} (here)"
-        for key in sorted(set(saved_config) | set(current_config))
-        if key != "name" and saved_config.get(key) != current_config.get(key)
-    ]
-
-
 def configured_differently(saved: dict[str, Any], current: dict[str, Any]) -> str:
     """A line for a load error naming the settings that differ, or "" if none do."""
-    settings = "; ".join(config_differences(saved, current))
+    saved, current = saved.get("config"), current.get("config")
+    if not isinstance(saved, dict) or not isinstance(current, dict):
+        return ""
+    settings = "; ".join(
+        f"{key}={saved.get(key)!r} (saved) vs {current.get(key)!r} (here)"
+        for key in sorted(set(saved) | set(current))
+        if key != "name" and saved.get(key) != current.get(key)
+    )
     return f"\nThe saved optimizer was configured differently: {settings}." if settings else ""
 
 

@@ -14,9 +14,7 @@ _ROLES_ATTRIBUTE = "_keras_tpu_optim_roles"
 _PLAN_ATTRIBUTE = "_keras_tpu_optim_slot_plan"
 
 
-class PlannedSlot(NamedTuple):
-    """A slot `add_slot` would create: its path, shape, layout axes, and its model variable's path."""
-
+class PlannedSlot(NamedTuple):  # a slot `add_slot` would create
     path: str
     shape: tuple
     axes: tuple
@@ -25,10 +23,8 @@ class PlannedSlot(NamedTuple):
 
 @contextlib.contextmanager
 def planning(optimizer):
-    """Within, `add_slot` creates nothing but records a `PlannedSlot` in the list yielded, so
-    that `build` can check the slots' layouts before any variable exists."""
-    plan = []
-    optimizer.__dict__[_PLAN_ATTRIBUTE] = plan
+    """Within, `add_slot` only records a `PlannedSlot`: `build` checks layouts before creating anything."""
+    optimizer.__dict__[_PLAN_ATTRIBUTE] = plan = []
     try:
         yield plan
     finally:
@@ -42,7 +38,6 @@ def variable_path(variable) -> str:
 
 
 def record_role(optimizer, state_variable, owner_index, role: str) -> None:
-    """Remember that `state_variable` is the `role` of the model variable at `owner_index`."""
     optimizer.__dict__.setdefault(_ROLES_ATTRIBUTE, {})[id(state_variable)] = (owner_index, role)
 
 
@@ -52,8 +47,7 @@ def role_of(optimizer, state_variable):
 
 
 def record_keras_roles(optimizer) -> None:
-    """Record the roles of the EMA averages and gradient accumulators of Keras's base `build`
-    (lists aligned with the model variables, None where a variable has none)."""
+    """Record the roles of the EMA averages and gradient accumulators Keras's `build` made."""
     for role, variables in (
         ("average", _private.moving_averages(optimizer)),
         ("gradient_accumulator", _private.gradient_accumulators(optimizer)),
