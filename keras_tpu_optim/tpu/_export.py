@@ -8,73 +8,69 @@ from keras import ops
 from keras_tpu_optim import _private
 from keras_tpu_optim._math import embedding_adam as adam_math
 
+# Why an engine cannot honour an option; `{engine}` names it.
+_WHY = {
+    "clipnorm": "the {engine} clips gradients per element only (`clipvalue`), never by norm.",
+    "global_clipnorm": "the {engine} cannot see the gradients of the other variables to compute "
+    "their norm.",
+    "use_ema": "the {engine} keeps no moving average of the table.",
+    "loss_scale_factor": "the {engine} receives the gradients of the scaled loss and does not "
+    "unscale them (Adam is not scale-invariant through epsilon, clipping and decay).",
+    "gradient_accumulation_steps": "the {engine} applies every step's gradients at once. (Not to be "
+    "confused with `use_gradient_accumulation`, the summing of duplicate ids.)",
+    "second_moment": "the {engine} keeps Adam's velocities at the table's shape, one per element, "
+    "not one per row.",
+    "bias_correction": "the {engine} applies one learning rate to every row of a step and keeps no "
+    "per-row step count, so only the global bias correction (folded into that rate) is expressible.",
+    "lazy_adam": "the {engine} updates only the rows looked up in the step; ordinary (non-lazy) "
+    "Adam would also decay the slots of every other row.",
+    "use_gradient_accumulation": "the {engine} always sums the gradients of duplicate ids, so it "
+    "cannot reproduce the last-occurrence-wins update of `use_gradient_accumulation=False`.",
+    "slot_variable_creation_fn": "the {engine} creates the slots itself from initializers (zeros).",
+    "low_dimensional_packing_status": "it is a setting of TensorFlow's TPUEmbedding; the {engine} "
+    "has no such setting.",
+}
 
-def unsupported_option(option: str, value, why: str) -> ValueError:
-    """The ValueError for an option the engine cannot honour, naming it."""
-    return ValueError(
-        f"`to_tpu_embedding` cannot export option `{option}={value!r}`: {why} "
-        f"Unset `{option}` on the EmbeddingAdam that is exported."
+
+def _refuse(optimizer, engine: str, *refusals) -> None:
+    """Raise for the first `(option, refused)` refused."""
+    for option, refused in refusals:
+        if refused:
+            raise ValueError(
+                f"`to_tpu_embedding` cannot export option `{option}={getattr(optimizer, option)!r}`: "
+                f"{_WHY[option].format(engine=engine)} Unset `{option}` on the EmbeddingAdam that is "
+                "exported."
+            )
+
+
+def check_options(optimizer, engine: str, *engine_refusals) -> None:
+    """Refuse the first option the engine cannot honour (then the first of `engine_refusals`): it sees
+    one table's gradient at a time, keeps only the table and slots of its shape, and applies one
+    learning rate to every row of a step."""
+    o = optimizer
+    _refuse(
+        o,
+        engine,
+        ("clipnorm", o.clipnorm is not None),
+        ("global_clipnorm", o.global_clipnorm is not None),
+        ("use_ema", o.use_ema),
+        ("loss_scale_factor", o.loss_scale_factor is not None),
+        ("gradient_accumulation_steps", o.gradient_accumulation_steps is not None),
     )
-
-
-def check_keras_options(optimizer, engine: str) -> None:
-    """Refuse the first Keras base option the engine cannot honour: it sees one table's
-    gradient at a time and keeps only the table and its slots."""
-    if optimizer.clipnorm is not None:
-        raise unsupported_option(
-            "clipnorm",
-            optimizer.clipnorm,
-            f"the {engine} clips gradients per element only (`clipvalue`), never by norm.",
-        )
-    if optimizer.global_clipnorm is not None:
-        raise unsupported_option(
-            "global_clipnorm",
-            optimizer.global_clipnorm,
-            f"the {engine} cannot see the gradients of the other variables to compute their norm.",
-        )
-    if optimizer.use_ema:
-        raise unsupported_option(
-            "use_ema", optimizer.use_ema, f"the {engine} keeps no moving average of the table."
-        )
-    if optimizer.loss_scale_factor is not None:
-        raise unsupported_option(
-            "loss_scale_factor",
-            optimizer.loss_scale_factor,
-            f"the {engine} receives the gradients of the scaled loss and does not unscale them "
-            "(Adam is not scale-invariant through epsilon, clipping and decay).",
-        )
-    if optimizer.gradient_accumulation_steps is not None:
-        raise unsupported_option(
-            "gradient_accumulation_steps",
-            optimizer.gradient_accumulation_steps,
-            f"the {engine} applies every step's gradients at once. (Not to be confused with "
-            "`use_gradient_accumulation`, the summing of duplicate ids.)",
-        )
-    if optimizer.weight_decay is not None and _private.has_weight_decay_exclusions(optimizer):
+    if o.weight_decay is not None and _private.has_weight_decay_exclusions(o):
         raise ValueError(
             "`to_tpu_embedding` cannot export `weight_decay` together with "
             "`exclude_from_weight_decay(...)`: the export is one table's optimizer and cannot "
             "tell which variables are excluded. Export an optimizer without exclusions for the "
             "tables to decay, and one without `weight_decay` for the others."
         )
-
-
-def check_row_options(optimizer, engine: str) -> None:
-    """Refuse the first row option neither engine can express: both keep slots of the table's
-    shape and apply one learning rate to every row of a step."""
-    if optimizer.second_moment != "full":
-        raise unsupported_option(
-            "second_moment",
-            optimizer.second_moment,
-            f"the {engine} keeps Adam's velocities at the table's shape, one per element, not one per row.",
-        )
-    if optimizer.bias_correction != "global":
-        raise unsupported_option(
-            "bias_correction",
-            optimizer.bias_correction,
-            f"the {engine} applies one learning rate to every row of a step and keeps no per-row "
-            "step count, so only the global bias correction (folded into that rate) is expressible.",
-        )
+    _refuse(
+        o,
+        engine,
+        ("second_moment", o.second_moment != "full"),
+        ("bias_correction", o.bias_correction != "global"),
+        *engine_refusals,
+    )
 
 
 def bias_corrected_learning_rate_at(optimizer, step):

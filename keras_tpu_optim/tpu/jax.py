@@ -21,8 +21,8 @@ _ENGINE = "SparseCore embedding engine"
 
 @dataclasses.dataclass(frozen=True)
 class RowUpdateComputation:
-    """The per-row computation; a frozen dataclass, not a closure, so that exports with the
-    same options compare equal (`jax_tpu_embedding` stacks only tables with equal specs)."""
+    """A frozen dataclass, not a closure: exports with the same options compare equal, and
+    `jax_tpu_embedding` stacks only tables with equal specs."""
 
     options: adam_math.RowUpdateOptions
 
@@ -34,9 +34,8 @@ class RowUpdateComputation:
 
 @dataclasses.dataclass(frozen=True)
 class BiasCorrectedLearningRate:
-    """`lr_t` at the engine's step count: the updates already applied (keras-rs counts from 0,
-    like `optimizer.iterations`), so the bias correction uses `t = step + 1`. Equal for the
-    same optimizer, so that exporting it once per table still lets tables stack."""
+    """`lr_t` at the engine's step count (the updates applied, as `optimizer.iterations`); equal for
+    the same optimizer, so that tables exported one by one still stack."""
 
     optimizer: Any
 
@@ -47,39 +46,17 @@ class BiasCorrectedLearningRate:
         return f"BiasCorrectedLearningRate({self.optimizer.name!r})"
 
 
-def _check_sparsecore_options(optimizer) -> None:
-    def unsupported(option, why):
-        return _export.unsupported_option(option, getattr(optimizer, option), why)
-
-    if not optimizer.lazy_adam:
-        raise unsupported(
-            "lazy_adam",
-            f"the {_ENGINE} updates only the rows looked up in the step; ordinary (non-lazy) "
-            "Adam would also decay the slots of every other row.",
-        )
-    if not optimizer.use_gradient_accumulation:
-        raise unsupported(
-            "use_gradient_accumulation",
-            f"the {_ENGINE} always sums the gradients of duplicate ids, so it cannot reproduce "
-            "the last-occurrence-wins update of `use_gradient_accumulation=False`.",
-        )
-    if optimizer.slot_variable_creation_fn is not None:
-        raise unsupported(
-            "slot_variable_creation_fn",
-            f"the {_ENGINE} creates the slots itself from initializers (zeros).",
-        )
-    if optimizer.low_dimensional_packing_status:
-        raise unsupported(
-            "low_dimensional_packing_status",
-            f"it is a setting of TensorFlow's TPUEmbedding; the {_ENGINE} has no such setting.",
-        )
-
-
 def to_tpu_embedding(optimizer) -> embedding_spec.CustomOptimizerSpec:
     """See `keras_tpu_optim.tpu.to_tpu_embedding`."""
-    _export.check_keras_options(optimizer, _ENGINE)
-    _export.check_row_options(optimizer, _ENGINE)
-    _check_sparsecore_options(optimizer)
+    o = optimizer
+    _export.check_options(
+        o,
+        _ENGINE,
+        ("lazy_adam", not o.lazy_adam),
+        ("use_gradient_accumulation", not o.use_gradient_accumulation),
+        ("slot_variable_creation_fn", o.slot_variable_creation_fn is not None),
+        ("low_dimensional_packing_status", o.low_dimensional_packing_status),
+    )
     return embedding_spec.CustomOptimizerSpec(
         learning_rate=BiasCorrectedLearningRate(optimizer),
         custom_computation_fn=RowUpdateComputation(optimizer._row_update_options()),

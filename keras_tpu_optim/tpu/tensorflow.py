@@ -11,9 +11,8 @@ _ENGINE = "TPU embedding engine"
 
 
 class TPUEmbeddingAdam(tf.tpu.experimental.embedding.Adam):
-    """`tf.tpu.experimental.embedding.Adam` whose configuration proto builds with protobuf >= 5:
-    TF's own assigns a bool to the enum `low_dimensional_packing_status`, which protobuf 5+
-    rejects. Everything else is TF's Adam."""
+    """`tf.tpu.experimental.embedding.Adam` whose configuration proto builds with protobuf >= 5
+    (TF's own assigns a bool to the enum `low_dimensional_packing_status`)."""
 
     def _set_optimization_parameters(self, parameters: pb.OptimizationParameters) -> None:
         accumulation = pb.GradientAccumulationStatus
@@ -44,8 +43,7 @@ class TPUEmbeddingAdam(tf.tpu.experimental.embedding.Adam):
 
 
 class BiasCorrectedLearningRate:
-    """`lr_t` of the coming step, called by the engine in each training step
-    (`TPUEmbedding.apply_gradients`), so it follows the optimizer's schedule and `iterations`."""
+    """`lr_t` of the coming step, called by the engine at each step (`TPUEmbedding.apply_gradients`)."""
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
@@ -59,8 +57,7 @@ class BiasCorrectedLearningRate:
 
 def to_tpu_embedding(optimizer) -> TPUEmbeddingAdam:
     """See `keras_tpu_optim.tpu.to_tpu_embedding`."""
-    _export.check_keras_options(optimizer, _ENGINE)
-    _export.check_row_options(optimizer, _ENGINE)
+    _export.check_options(optimizer, _ENGINE)
     options = optimizer._row_update_options()
     decay = options.weight_decay_factor
     # Without decay both stay None: TPUEmbeddingV2 refuses a table whose multiply flag is merely False.
