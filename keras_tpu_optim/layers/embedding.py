@@ -24,24 +24,6 @@ _UNSUPPORTED = {
     "slot_variable_creation_fn": "the layer creates and saves the table's slots itself",
 }
 
-
-def _training_model_optimizer():
-    """The optimizer of the model whose `train_step` is running (the innermost on the call stack), or None.
-
-    Keras's trainers (`fit`, `train_on_batch`) call the model's `train_step`,
-    and a custom one is the model's own method too: its model's optimizer is
-    the one that receives the step's gradients.
-    """
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_name == "train_step":
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, keras.Model):
-                return getattr(owner, "optimizer", None)
-        frame = frame.f_back
-    return None
-
-
 # The model optimizer's options that change what the lookup's backward pass receives or when the table may
 # be updated, with why: each raises a `ValueError` naming it at the first training call.
 _UNSUPPORTED_IN_THE_MODEL = {
@@ -53,11 +35,14 @@ _UNSUPPORTED_IN_THE_MODEL = {
 
 
 def _check_model_optimizer(layer_name):
-    """Raise if the model's optimizer would change what the lookup's backward pass computes (loss scaling)
-    or when the table may be updated (accumulated or skipped steps)."""
-    optimizer = _training_model_optimizer()
-    if optimizer is None:
-        return
+    """Raise if the optimizer of the model whose `train_step` (Keras's or its own) is running would scale
+    the lookup's gradient or accumulate or skip steps."""
+    frame = sys._getframe(1)
+    while frame is not None and not (
+        frame.f_code.co_name == "train_step" and isinstance(frame.f_locals.get("self"), keras.Model)
+    ):
+        frame = frame.f_back
+    optimizer = None if frame is None else getattr(frame.f_locals["self"], "optimizer", None)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         raise ValueError(
             f"keras_tpu_optim.layers.Embedding '{layer_name}' with `optimizer`: the model's optimizer is a "
@@ -185,41 +170,22 @@ class Embedding(keras.layers.Embedding):
         # being overwritten with the value the lookup's backward pass computes for it.
         in_gradients = keras.backend.backend() == "jax"
         state = dict(trainable=in_gradients, overwrite_with_gradient=in_gradients)
-        rows = (self.input_dim,)
+        rows, table = (self.input_dim,), (self.input_dim, self.output_dim)
         self._embeddings = self.add_weight(
-            shape=(self.input_dim, self.output_dim),
-            initializer=self.embeddings_initializer,
-            name="embeddings",
-            **state,
+            shape=table, initializer=self.embeddings_initializer, name="embeddings", **state
         )
+        zeros = dict(initializer="zeros", dtype="float32")
         self.iterations = self.add_weight(
-            shape=(),
-            initializer="zeros",
-            dtype="float32",
-            name="iterations",
-            trainable=True,
-            overwrite_with_gradient=True,
+            shape=(), name="iterations", trainable=True, overwrite_with_gradient=True, **zeros
         )
         rowwise = self._table_optimizer.second_moment == "rowwise"
-        self.momenta = self.add_weight(
-            shape=(self.input_dim, self.output_dim),
-            initializer="zeros",
-            dtype="float32",
-            name="momenta",
-            **state,
-        )
+        self.momenta = self.add_weight(shape=table, name="momenta", **zeros, **state)
         self.velocities = self.add_weight(
-            shape=rows if rowwise else (self.input_dim, self.output_dim),
-            initializer="zeros",
-            dtype="float32",
-            name="velocities",
-            **state,
+            shape=rows if rowwise else table, name="velocities", **zeros, **state
         )
         self.row_steps = None
         if self._table_optimizer.bias_correction == "per_row":
-            self.row_steps = self.add_weight(
-                shape=rows, initializer="zeros", dtype="float32", name="row_steps", **state
-            )
+            self.row_steps = self.add_weight(shape=rows, name="row_steps", **zeros, **state)
         self.built = True
 
     def _row_state(self):
@@ -230,7 +196,7 @@ class Embedding(keras.layers.Embedding):
         return (self._embeddings,) + slots
 
     def _row_update_arguments(self, step):
-        """`(learning_rate, options)` of the row update after `step` updates (`adam_math.update_rows_in_float32`)."""
+        """`(learning_rate, options)` of the row update after `step` updates (`adam_math.RowUpdate`)."""
         optimizer = self._table_optimizer
         _check_optimizer(optimizer)  # Hyperparameters may have been set since the layer was built.
         for name, built_with in (
@@ -269,12 +235,8 @@ class Embedding(keras.layers.Embedding):
         return ops.cast(outputs, dtype=self.compute_dtype)
 
     def _check_one_lookup_per_step(self):
-        """Raise if the layer looks up twice in one traced training step (each lookup would update the table).
-
-        Detected where the step is traced (a JAX trace, a TF graph function), by the step's value of
-        `iterations`, which is the same within one trace; torch checks in the lookup's backward pass
-        (`_backend/torch`); eager TF does not.
-        """
+        """Raise if the layer looks up twice in one traced step, told by the trace of `iterations` (torch
+        checks in the lookup's backward pass, eager TF not at all)."""
         trace = backend.lookup_trace(self.iterations)
         if trace is not None and trace is self._last_lookup_trace:
             raise ValueError(
@@ -287,13 +249,16 @@ class Embedding(keras.layers.Embedding):
     def save_own_variables(self, store):
         if self._table_optimizer is None:
             return super().save_own_variables(store)
-        for i, variable in enumerate((self._embeddings, self.iterations) + self._row_state()[1:]):
+        for i, variable in enumerate(self._saved_variables()):
             store[str(i)] = variable
+
+    def _saved_variables(self):
+        return (self._embeddings, self.iterations) + self._row_state()[1:]
 
     def load_own_variables(self, store):
         if self._table_optimizer is None:
             return super().load_own_variables(store)
-        variables = (self._embeddings, self.iterations) + self._row_state()[1:]
+        variables = self._saved_variables()
         if len(store.keys()) != len(variables):
             raise ValueError(
                 f"Layer '{self.name}' expected {len(variables)} variables (the table, its step count and slots), "
@@ -304,11 +269,8 @@ class Embedding(keras.layers.Embedding):
 
     def get_config(self):
         config = super().get_config()
-        config["optimizer"] = (
-            None
-            if self._table_optimizer is None
-            else keras.optimizers.serialize(self._table_optimizer)
-        )
+        optimizer = self._table_optimizer
+        config["optimizer"] = None if optimizer is None else keras.optimizers.serialize(optimizer)
         return config
 
     @classmethod
