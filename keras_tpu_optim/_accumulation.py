@@ -1,22 +1,15 @@
-"""Keras's `gradient_accumulation_steps` step, where ours must differ from Keras's own.
+"""Keras's `gradient_accumulation_steps` step (`BaseOptimizer._backend_apply_gradients`'s numbers), where
+ours must differ from Keras's own:
 
-Keras's numbers (`BaseOptimizer._backend_apply_gradients`): on micro-steps
-`acc += g`; on every N-th, one update with the mean `(g + acc) / N`, clipped
-and decayed as Keras does, then `acc = 0`; then the EMA. Two differences:
+- A table of EmbeddingAdam's lazy steps (`_accumulates_rows`) has an int32 `(rows,)` `window` slot: a
+  sparse gradient adds its rows into the accumulator and marks them with the number of the update the
+  window ends in (nothing is ever cleared), and the update step gathers, averages, updates and zeroes
+  only those rows. Keras's dense accumulator would cost O(table) a micro-step.
+- Where Keras's step would compile both branches of its `cond`s at every eager call (JAX), only the
+  branch taken runs.
 
-- A table of EmbeddingAdam's lazy steps (`_accumulates_rows`) has an int32
-  `window` slot of shape `(rows,)`: a sparse gradient adds its rows into
-  `acc` in place and marks them in `window` with the number of the update
-  the window ends in (so nothing is ever cleared); at the update step one
-  scan of `window` lists the window's rows, and only they are gathered,
-  averaged, updated and zeroed. Keras's dense accumulator would cost
-  O(table) a micro-step.
-- Where Keras's step would compile both branches of its `cond`s at every
-  eager call (JAX), only the branch taken runs.
-
-Where a backend has no row operations (JAX: `accumulation_rows` is None), the
-accumulator stays dense and the window is kept marked, so that a checkpoint
-resumes on every backend.
+Without row operations (JAX) the accumulator stays dense and the window is kept marked, so that a
+checkpoint resumes on every backend.
 """
 
 from __future__ import annotations
@@ -48,17 +41,14 @@ def apply_gradients(optimizer, grads, variables, keras_apply):
 
 
 def _accumulated_apply(optimizer, grads, variables, rows):
-    """The accumulate-or-update step with the rows of sparse gradients accumulated by `rows`.
+    """The accumulate-or-update step, sparse gradients' rows accumulated by `rows` (a backend's
+    `accumulation_rows`, or None), which provides:
 
-    `rows` (a backend's `accumulation_rows`, or None) provides
-    `sparse_entries(gradient)` (`(ids, values)`, None for a dense gradient),
-    `add_to_window(accumulator, window, ids, values, number, *, owner)`,
-    `window_sizes(like, window, steps)` (the static lengths to try for the
-    list of a window's rows, smallest first; `(None,)`: dynamic),
-    `window_count(window, number)` and `window_gradient(accumulator, window,
-    number, steps, like, size, *, owner)` (the window's rows of `accumulator / steps` as
-    a sparse gradient like `like`; those rows of `accumulator` then zeroed);
-    `owner` owns what they compile.
+    `sparse_entries(gradient)` (`(ids, values)`, None if dense), `add_to_window(accumulator, window, ids,
+    values, number, *, owner)`, `window_sizes(like, window, steps)` (static lengths to try for the list
+    of a window's rows, smallest first; `(None,)`: dynamic), `window_count(window, number)` and
+    `window_gradient(accumulator, window, number, steps, like, size, *, owner)` (the window's rows of
+    `accumulator / steps` as a sparse gradient like `like`, then zeroed); `owner` owns what they compile.
     """
     steps = optimizer.gradient_accumulation_steps
     is_update_step = ops.equal((_private.raw_iterations(optimizer) + 1) % steps, 0)
