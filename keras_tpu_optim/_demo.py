@@ -14,6 +14,11 @@ import os
 import sys
 import time
 
+import keras
+import numpy as np
+
+import keras_tpu_optim as kto
+
 # The tables trained in the lookup (`layers.Embedding`) by EmbeddingAdam, and with its per-row bias correction.
 LAYER = "keras_tpu_optim.layers.Embedding"
 PER_ROW = "keras_tpu_optim.layers.Embedding(per_row)"
@@ -45,8 +50,6 @@ def _parse(argv):
 
 def _train(label, model, optimizer, x, y, batch, **compile_args):
     """Fit `model` for one epoch, timing each step; the history and what both parts report."""
-    import keras
-    import numpy as np
 
     class StepTimer(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
@@ -66,11 +69,6 @@ def _train(label, model, optimizer, x, y, batch, **compile_args):
 
 
 def _language_model(quick, steps):
-    import keras
-    import numpy as np
-
-    import keras_tpu_optim as kto
-
     vocab, seq, width = (96, 16, 32) if quick else (2000, 64, 128)
     heads, blocks, batch = (2, 1, 8) if quick else (4, 2, 32)
     rng = np.random.default_rng(0)
@@ -113,11 +111,6 @@ def _language_model(quick, steps):
 
 
 def _recommender(quick, steps):
-    import keras
-    import numpy as np
-
-    import keras_tpu_optim as kto
-
     users, items, dim, batch = (20_000, 500, 8, 256) if quick else (1_000_000, 5_000, 32, 1024)
     rng = np.random.default_rng(1)
     # Clicks from hidden user/item factors plus an item popularity; users drawn
@@ -215,8 +208,6 @@ def _figure(path, lm, rec, backend):
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    import keras
-
     if args.backend and args.backend != keras.backend.backend():
         # Keras chose its backend when it was imported (with this package): run the demo in a process of
         # its own on the one asked for, leaving this process's environment as it is.
