@@ -135,13 +135,26 @@ def test_bench_embedding_options_quick(tmp_path, capsys):
     BACKEND not in ("tensorflow", "jax", "torch"), reason="benchmarks cover TF, JAX and torch"
 )
 def test_bench_fit_quick(tmp_path, capsys):
+    # The bfloat16 runs (three more fits, the same code on every backend) in the torch pass only,
+    # where a fit compiles nothing: a third of this test's time in the TF and JAX passes.
+    bf16 = BACKEND == "torch"
+    if not bf16:
+        print("bench_fit.py's bfloat16 runs are smoke-tested in the torch pass only")
     stdout, data = _run(
-        "bench_fit.py", tmp_path, capsys, "--steps", "2", "--warmup", "1", "--in-process"
+        "bench_fit.py",
+        tmp_path,
+        capsys,
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--in-process",
+        *([] if bf16 else ["--no-bf16"]),
     )
     assert f"fit on {BACKEND}" in stdout
     assert "Ratios, ours / peer" in stdout
     assert "Targets" in stdout
-    assert "bfloat16 weights" in stdout
+    assert ("bfloat16 weights" in stdout) == bf16
     assert data["backend"] == BACKEND
     runs = data["backends"][BACKEND]["runs"]
     names = (
@@ -155,13 +168,16 @@ def test_bench_fit_quick(tmp_path, capsys):
         "ours(lr=0.01), bf16 weights",
         "ours(lr=0.01, stochastic_rounding=True), bf16 weights",
     )
-    for name in names + rounding:
+    for name in names + (rounding if bf16 else ()):
         (record,) = runs[name]
         assert "error" not in record, record
         assert (
             record["peak_delta_mb"] >= 0 and record["fit_peak_mb"] >= 0 and record["median_ms"] > 0
         )
-    assert [runs[name][0]["dtype"] for name in rounding] == ["float32", "bfloat16", "bfloat16"]
+    if bf16:
+        assert [runs[name][0]["dtype"] for name in rounding] == ["float32", "bfloat16", "bfloat16"]
+    else:
+        assert not set(rounding) & set(runs), runs.keys()
     # The compiled step's temporaries, from XLA's buffer assignment: JAX only.
     assert all((runs[name][0]["xla_temp_mb"] is not None) == (BACKEND == "jax") for name in names)
     assert {t["target"] for t in data["targets"]} >= {"ours peak <= SGD + 0.25x params"}
