@@ -66,9 +66,6 @@ def _parameter_values(item) -> set:
 
 
 def pytest_collection_modifyitems(config, items):
-    # The tests that start processes take up to minutes each: first, so that the workers share the
-    # short tests out after them instead of ending the run with one of them.
-    items.sort(key=lambda item: item.get_closest_marker("processes") is None)
     if not config.getoption("--each-value-once"):
         return
     # Cases in collection order; a case is kept if it runs a value no kept case of its test has run.
