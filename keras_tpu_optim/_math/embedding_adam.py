@@ -219,7 +219,8 @@ def update_rows_in_float32(
     return new_values + (new_steps, ops.cast(new_average, average.dtype))
 
 
-@dataclasses.dataclass(frozen=True)
+# Compared and hashed by identity: torch.compile hashes it while its fields are being set.
+@dataclasses.dataclass(frozen=True, eq=False)
 class RowUpdate:
     """`update_rows_in_float32` with these arguments, which a backend compiling the update reads instead."""
 
