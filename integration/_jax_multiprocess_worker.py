@@ -44,7 +44,6 @@ BATCH = 16
 TOTAL_STEPS = job.get("total_steps", 5)
 
 OPTIMIZERS = {
-    "embedding_adam": lambda: kto.EmbeddingAdam(0.01, max_touched_rows=8),
     "embedding_adam_ema_accumulation": lambda: kto.EmbeddingAdam(
         0.01, max_touched_rows=8, use_ema=True, gradient_accumulation_steps=2
     ),

@@ -160,15 +160,14 @@ def test_file_saved_on_one_backend_resumes_on_the_others(tmp_path):
             "mlp",
             {"class": "Adafactor", "kwargs": {"learning_rate": 0.1, "beta_1": 0.5}},
         ),
-        "embedding_adam": ("recommender", {"class": "EmbeddingAdam", "schedule": 0.05}),
-        # The per-table slots of issue 12: rowwise velocities (rows,), int32 row_steps and
-        # average_steps, the lazy EMA's averages.
-        "embedding_adam_rowwise_per_row_ema": (
+        # A schedule, and the per-table slots besides the table-shaped ones: rowwise velocities
+        # (rows,), int32 row_steps and average_steps, the lazy EMA's averages.
+        "embedding_adam_schedule_rowwise_per_row_ema": (
             "recommender",
             {
                 "class": "EmbeddingAdam",
+                "schedule": 0.05,
                 "kwargs": {
-                    "learning_rate": 0.05,
                     "second_moment": "rowwise",
                     "bias_correction": "per_row",
                     "use_ema": True,
