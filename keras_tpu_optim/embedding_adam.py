@@ -354,9 +354,11 @@ class EmbeddingAdam(OptimizerBase):
     def _update_model_variables_moving_average(self, trainable_variables):
         # Keras's hook (_private.EMA_HOOKS): its own EMA step, but the row update keeps the lazy averages.
         lazy = [average for _, average, _ in self._lazy_averages()]
+        if not lazy:
+            return super()._update_model_variables_moving_average(trainable_variables)
         with _private.moving_averages_left_out(self, lazy):
             super()._update_model_variables_moving_average(trainable_variables)
-        if self._lazy_ema and self.ema_overwrite_frequency:
+        if self.ema_overwrite_frequency:
             # Keras installs the averages after this step: bring every row up to date first.
             due = ops.equal((self.iterations + 1) % self.ema_overwrite_frequency, 0)
             self._catch_up(ops.cast(_private.raw_iterations(self), "int32") + 1, due)
