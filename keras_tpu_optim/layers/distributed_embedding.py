@@ -1,0 +1,565 @@
+"""Many tables behind one layer, in the shape of `keras_rs.layers.DistributedEmbedding`, each table trained
+in the backward pass of the lookup by its `EmbeddingAdam`; tables that can be stepped together are stored
+as one stacked table (docs/algorithms.md#many-tables-in-one-layer)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Any, Optional
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_tpu_optim import _private
+from keras_tpu_optim.embedding_adam import EmbeddingAdam
+from keras_tpu_optim.layers.embedding import Embedding
+
+COMBINERS = ("mean", "sum", "sqrtn")
+
+
+@dataclasses.dataclass(eq=False)
+class TableConfig:
+    """One embedding table: `keras_rs.layers.TableConfig`'s fields, where `optimizer=None` (the default)
+    means the layer's optimizer.
+
+    Attributes:
+        name: The table's name, unique in the layer; its state is saved under it.
+        vocabulary_size: The number of rows.
+        embedding_dim: The width of a row.
+        initializer: The rows' initializer (each table gets its own copy).
+        optimizer: None (the layer's `optimizer`), a `keras_tpu_optim.EmbeddingAdam`, a
+            `keras.optimizers.Adam` or `"adam"` (mapped to the `EmbeddingAdam` with Adam's numbers).
+        combiner: How the rows of a feature with several ids per example are pooled: `"mean"`,
+            `"sum"` or `"sqrtn"`.
+        placement: `"auto"` or `"default_device"`: the table lives with the rest of the model.
+    """
+
+    name: str
+    vocabulary_size: int
+    embedding_dim: int
+    initializer: Any = dataclasses.field(
+        default_factory=lambda: keras.initializers.VarianceScaling(mode="fan_out")
+    )
+    optimizer: Any = None
+    combiner: str = "mean"
+    placement: str = "auto"
+
+
+@dataclasses.dataclass(eq=False)
+class FeatureConfig:
+    """One feature looked up in a table: `keras_rs.layers.FeatureConfig`'s fields; several features may share
+    a `table`. `input_shape` and `output_shape` (batch first, None for any size) are checked when given."""
+
+    name: str
+    table: TableConfig
+    input_shape: Optional[tuple] = None
+    output_shape: Optional[tuple] = None
+
+
+def _table_error(table_name, message):
+    return ValueError(
+        f"keras_tpu_optim.layers.DistributedEmbedding: table '{table_name}': {message}"
+    )
+
+
+def _table_optimizer(table, layer_optimizer, adam_for):
+    """The `EmbeddingAdam` that trains `table` (`adam_for`: the converted Adam of each Adam instance)."""
+    optimizer = table.optimizer
+    is_adam_name = isinstance(optimizer, str) and optimizer.lower() == "adam"
+    if optimizer is None or is_adam_name:
+        if layer_optimizer is not None:
+            return layer_optimizer
+        if optimizer is None:
+            raise _table_error(
+                table.name,
+                "it has no optimizer. Pass `optimizer=kto.EmbeddingAdam(...)` to the layer (the tables' "
+                "default) or to the table's config.",
+            )
+    if isinstance(optimizer, EmbeddingAdam):
+        return optimizer
+    # Keras's Adam (on torch, its torch subclass of the same name), not a subclass such as AdamW.
+    if is_adam_name or (
+        isinstance(optimizer, keras.optimizers.Adam) and type(optimizer).__name__ == "Adam"
+    ):
+        key = "adam" if is_adam_name else id(optimizer)
+        if key not in adam_for:
+            adam_for[key] = _from_adam(
+                table.name, keras.optimizers.Adam() if is_adam_name else optimizer
+            )
+        return adam_for[key][0]
+    name = optimizer if isinstance(optimizer, str) else type(optimizer).__name__
+    raise _table_error(
+        table.name,
+        f"its optimizer {name!r} is not supported: a table is trained by a `keras_tpu_optim.EmbeddingAdam`, a "
+        "`keras.optimizers.Adam` or `\"adam\"` (Adam's numbers), or None (the layer's optimizer).",
+    )
+
+
+def _from_adam(table_name, adam):
+    """`(EmbeddingAdam, adam)`: Keras's Adam as the `EmbeddingAdam` with its numbers (epsilon outside the root)."""
+    config = adam.get_config()
+    if config.pop("amsgrad"):
+        raise _table_error(
+            table_name, "its `keras.optimizers.Adam` has `amsgrad=True`, which is not supported."
+        )
+    config.pop("name", None)
+    config["learning_rate"] = adam._learning_rate
+    if isinstance(config["learning_rate"], keras.Variable):
+        config["learning_rate"] = float(ops.convert_to_numpy(config["learning_rate"]))
+    return EmbeddingAdam(**config, sum_inside_sqrt=False), adam
+
+
+def _copied_initializer(initializer, index):
+    """A copy of `initializer` for the table at `index`: its own instance, and a seed of its own where one is set
+    (keras-rs hands every table one instance, so two tables of one shape would start identical)."""
+    initializer = keras.initializers.get(initializer)
+    if not isinstance(initializer, keras.initializers.Initializer):
+        return initializer  # A plain callable: called once per table with that table's shape.
+    config = initializer.get_config()
+    if isinstance(config.get("seed"), int):
+        config["seed"] = config["seed"] + index
+    return type(initializer).from_config(config)
+
+
+def _optimizer_key(optimizer):
+    config = dict(keras.optimizers.serialize(optimizer)["config"])
+    config.pop("name", None)
+    return json.dumps(config, sort_keys=True, default=repr)
+
+
+class _Grouping:
+    """The groups (`kto.layers.Embedding`s of stacked tables), each table's `(group index, first row)`, and each group's features."""
+
+    def __init__(self):
+        self.groups, self.placement, self.features = [], {}, []
+
+
+class _Stacked(keras.initializers.Initializer):
+    """The stacked table's initial rows: each table's own initializer on its own shape, one after another."""
+
+    def __init__(self, parts):
+        self.parts = parts  # [(initializer, rows)]
+
+    def __call__(self, shape, dtype=None):
+        return ops.concatenate(
+            [ops.cast(init((rows, shape[1]), dtype=dtype), dtype) for init, rows in self.parts],
+            axis=0,
+        )
+
+
+@keras.saving.register_keras_serializable(package="keras_tpu_optim")
+class DistributedEmbedding(keras.layers.Layer):
+    """`keras_rs.layers.DistributedEmbedding`'s layer on every device, its tables trained by `EmbeddingAdam` in the
+    backward pass of the lookup, the tables of a step updated together.
+
+    `feature_configs` is a nested structure (dict, list, ...) of `FeatureConfig`s, ours or keras-rs's;
+    the layer's inputs (and `weights`) have that structure, and so have its outputs. A feature's ids of
+    shape `(batch,)` give `(batch, dim)` rows; ids of shape `(batch, n)` give their rows pooled by the
+    table's `combiner` (weighted by `weights` of the ids' shape, when given; a weight of 0 pads).
+
+    Every table is trained by an `EmbeddingAdam`, its `TableConfig`'s `optimizer` or else the layer's
+    `optimizer`; a `keras.optimizers.Adam`, or `"adam"`, becomes the `EmbeddingAdam` with Adam's numbers
+    (`sum_inside_sqrt=False`, Adam's epsilon, learning rate and decay), converted when the layer is made.
+    keras-rs's `TableConfig` sets `optimizer="adam"` unless told otherwise, so a table whose optimizer is
+    the string `"adam"` takes the layer's `optimizer` where one is given, and Keras's default Adam where
+    not. Any other optimizer raises, naming the table.
+
+    Tables of the same width whose optimizers have equal configurations form a group, stored as one stacked
+    table with its slots and step count (the variables of an internal `kto.layers.Embedding`): a training
+    step looks each group's ids up at once and updates each group once, so its work grows with the number
+    of groups, not of tables. Features sharing a table add their ids to one update (duplicates summed, or
+    the last kept, as the optimizer says). `model.save` and `save_weights` store each table, its slots and
+    step count under the table's name, so a file loads into any grouping of the same tables;
+    `get_embedding_tables()` returns `{table name: rows}`. Everything `kto.layers.Embedding` with
+    `optimizer` requires holds here, per group (one call per training step, the model's optimizer
+    unscaled, ...).
+
+    Args:
+        feature_configs: A nested structure of `FeatureConfig`s.
+        optimizer: The `EmbeddingAdam` of every table whose config names no optimizer (or `"adam"`).
+        table_stacking: `"auto"` (the grouping above), as keras-rs spells it.
+    """
+
+    def __init__(self, feature_configs, *, optimizer=None, table_stacking="auto", **kwargs):
+        super().__init__(**kwargs)
+        if table_stacking != "auto":
+            raise ValueError(
+                "keras_tpu_optim.layers.DistributedEmbedding groups its tables itself: `table_stacking` must be "
+                f"'auto'. Received: table_stacking={table_stacking!r}"
+            )
+        if optimizer is not None and not isinstance(optimizer, EmbeddingAdam):
+            raise ValueError(
+                "Argument `optimizer` must be None or a `keras_tpu_optim.EmbeddingAdam`. "
+                f"Received: optimizer={optimizer!r}"
+            )
+        # Plain attributes, kept out of Keras's tracking (which would wrap the structure's dicts and lists).
+        self.__dict__["feature_configs"] = feature_configs
+        self.__dict__["_optimizer"] = optimizer
+        self.__dict__["_features"] = keras.tree.flatten(feature_configs)
+        if not self._features:
+            raise ValueError(
+                "keras_tpu_optim.layers.DistributedEmbedding: `feature_configs` is empty."
+            )
+        self.__dict__["_tables"] = self._checked_tables()
+        adam_for = {}
+        optimizers = [_table_optimizer(t, optimizer, adam_for) for t in self._tables]
+        # A group: tables of one width whose optimizers have one configuration.
+        groups = {}
+        for index, (table, table_optimizer) in enumerate(zip(self._tables, optimizers)):
+            key = (table.embedding_dim, _optimizer_key(table_optimizer))
+            groups.setdefault(key, []).append((index, table, table_optimizer))
+        # The groups are sublayers (their variables are the layer's) reached through a plain object, not an
+        # attribute Keras's saving walks: their state is saved per table, so that a file does not depend on
+        # the grouping.
+        grouping = self.__dict__["_grouping"] = _Grouping()
+        for members in groups.values():
+            offset, parts = 0, []
+            for index, table, _ in members:
+                grouping.placement[table.name] = (len(grouping.groups), offset)
+                parts.append((_copied_initializer(table.initializer, index), table.vocabulary_size))
+                offset += table.vocabulary_size
+            names = [table.name for _, table, _ in members]
+            try:
+                group = Embedding(
+                    offset,
+                    members[0][1].embedding_dim,
+                    embeddings_initializer=_Stacked(parts),
+                    optimizer=members[0][2],
+                    name=re.sub(r"[^A-Za-z0-9_.-]", "_", "_".join(names))[:100],
+                    dtype=self.dtype_policy,
+                )
+            except ValueError as error:
+                raise _table_error(names[0], str(error)) from None
+            group.__dict__["_members"] = [
+                (table, table_optimizer) for _, table, table_optimizer in members
+            ]
+            grouping.groups.append(self._tracker.track(group))
+        for g in range(len(grouping.groups)):
+            grouping.features.append(
+                [
+                    i
+                    for i, f in enumerate(self._features)
+                    if grouping.placement[f.table.name][0] == g
+                ]
+            )
+
+    def _checked_tables(self):
+        """The distinct tables of the features, in order of first use, each checked."""
+        tables, names = [], {}
+        for feature in self._features:
+            for field in ("name", "table"):
+                if not hasattr(feature, field):
+                    raise ValueError(
+                        "keras_tpu_optim.layers.DistributedEmbedding: `feature_configs` must hold `FeatureConfig`s "
+                        f"(ours or keras-rs's). Received: {feature!r}"
+                    )
+            table = feature.table
+            expected = getattr(feature, "output_shape", None)
+            if (
+                expected is not None
+                and table is not None
+                and tuple(expected)[-1:] != (table.embedding_dim,)
+            ):
+                raise ValueError(
+                    f"keras_tpu_optim.layers.DistributedEmbedding: feature '{feature.name}' has `output_shape="
+                    f"{tuple(expected)}`, but its table's rows are {table.embedding_dim} wide."
+                )
+            if table is None or not hasattr(table, "vocabulary_size"):
+                raise ValueError(
+                    f"keras_tpu_optim.layers.DistributedEmbedding: feature '{feature.name}' has no table. "
+                    f"Received: table={table!r}"
+                )
+            if any(table is t for t in tables):
+                continue
+            if table.name in names:
+                raise _table_error(
+                    table.name, "two different tables have this name; table names must be unique."
+                )
+            if not table.name or "/" in table.name:
+                raise _table_error(table.name, "a table's name must be non-empty and without '/'.")
+            for field in ("vocabulary_size", "embedding_dim"):
+                value = getattr(table, field)
+                if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                    raise _table_error(
+                        table.name, f"`{field}` must be a positive integer. Received: {value!r}"
+                    )
+            if table.combiner not in COMBINERS:
+                raise _table_error(
+                    table.name,
+                    f"`combiner` must be one of {COMBINERS}. Received: {table.combiner!r}",
+                )
+            placement = getattr(table, "placement", "auto")
+            if placement not in ("auto", "default_device"):
+                raise _table_error(
+                    table.name,
+                    "this layer keeps its tables with the rest of the model: `placement` must be 'auto' or "
+                    f"'default_device' (convert the optimizers with `kto.tpu.to_tpu_embedding` for keras-rs "
+                    f"on TPU). Received: placement={placement!r}",
+                )
+            names[table.name] = table
+            tables.append(table)
+        return tables
+
+    @property
+    def optimizer(self):
+        """The layer's `EmbeddingAdam` (for tables that name none), or None."""
+        return self._optimizer
+
+    def table_optimizer(self, name):
+        """The `EmbeddingAdam` that trains the table `name`."""
+        group, _ = self._grouping.placement[name]
+        return dict((t.name, o) for t, o in self._grouping.groups[group]._members)[name]
+
+    def build(self, input_shapes=None):
+        # The ids' shapes are checked on the tensors, in `call`.
+        for group in self._grouping.groups:
+            group.build()
+        self.built = True
+
+    def _check_shape(self, feature, shape):
+        if shape is None:
+            return
+        if len(shape) not in (1, 2):
+            raise ValueError(
+                f"keras_tpu_optim.layers.DistributedEmbedding: feature '{feature.name}' must have ids of shape "
+                f"(batch,) or (batch, ids per example). Received: shape={shape}"
+            )
+        expected = getattr(feature, "input_shape", None)
+        if expected is not None and (
+            len(expected) != len(shape)
+            or any(e is not None and s is not None and e != s for e, s in zip(expected, shape))
+        ):
+            raise ValueError(
+                f"keras_tpu_optim.layers.DistributedEmbedding: feature '{feature.name}' has `input_shape="
+                f"{tuple(expected)}`. Received: ids of shape {shape}"
+            )
+
+    def compute_output_spec(self, inputs, weights=None, training=None):
+        flat = keras.tree.flatten(inputs)
+        outputs = [
+            keras.KerasTensor((x.shape[0], f.table.embedding_dim), dtype=self.compute_dtype)
+            for f, x in zip(self._features, flat)
+        ]
+        return keras.tree.pack_sequence_as(self.feature_configs, outputs)
+
+    def call(self, inputs, weights=None, training=None):
+        flat = keras.tree.flatten(inputs)
+        if len(flat) != len(self._features):
+            raise ValueError(
+                f"keras_tpu_optim.layers.DistributedEmbedding: {len(self._features)} features are configured, "
+                f"but the inputs hold {len(flat)} tensors; they must have `feature_configs`' structure."
+            )
+        flat_weights = [None] * len(flat) if weights is None else keras.tree.flatten(weights)
+        self._check_group_optimizers()
+        outputs = [None] * len(flat)
+        for group, members in zip(self._grouping.groups, self._grouping.features):
+            ids = []
+            for i in members:
+                x = flat[i]
+                self._check_shape(self._features[i], tuple(x.shape))
+                if x.dtype not in ("int32", "int64"):
+                    x = ops.cast(x, "int32")
+                ids.append(self._stacked_ids(x, self._features[i].table))
+            rows = self._grouped_lookup(group, ids, training)
+            for i, looked_up in zip(members, rows):
+                outputs[i] = self._pooled(
+                    looked_up, flat_weights[i], self._features[i].table.combiner, len(flat[i].shape)
+                )
+        return keras.tree.pack_sequence_as(self.feature_configs, outputs)
+
+    def _stacked_ids(self, ids, table):
+        """A table's ids as rows of its group's stacked table; one out of range stays out of the stacked table's
+        range (so it fails, or gathers, as the backend's lookup does with it), never another table's row."""
+        group, offset = self._grouping.placement[table.name]
+        ids = ops.cast(ids, "int32")
+        if offset == 0 and self._grouping.groups[group].input_dim == table.vocabulary_size:
+            return ids
+        outside = ops.logical_or(ids < 0, ids >= table.vocabulary_size)
+        return ops.where(outside, self._grouping.groups[group].input_dim, ids + offset)
+
+    def _grouped_lookup(self, group, ids, training):
+        """The rows of `ids` (a list of id tensors of the group), by one call of the group's layer."""
+        if len(ids) == 1:
+            return [group(ids[0], training=training)]
+        shapes = [tuple(x.shape) for x in ids]
+        if all(s == shapes[0] for s in shapes):
+            return ops.unstack(group(ops.stack(ids), training=training), axis=0)
+        flat = [ops.reshape(x, (-1,)) for x in ids]
+        rows = group(ops.concatenate(flat, axis=0), training=training)
+        out, start = [], 0
+        for x, f in zip(ids, flat):
+            size = ops.shape(f)[0]
+            out.append(
+                ops.reshape(rows[start : start + size], tuple(ops.shape(x)) + (group.output_dim,))
+            )
+            start = start + size
+        return out
+
+    def _pooled(self, rows, weights, combiner, rank):
+        """keras-rs's `EmbedReduce`: rows of `(batch,)` ids as they are (times the weights for `"sum"`), rows of
+        `(batch, n)` ids weighted and pooled by `combiner`."""
+        if weights is None or (rank == 1 and combiner != "sum"):
+            if rank == 1:
+                return rows
+            weights = ops.ones(ops.shape(rows)[:-1], rows.dtype)
+        weights = ops.expand_dims(ops.cast(weights, rows.dtype), -1)
+        rows = rows * weights
+        if rank == 1:
+            return rows
+        pooled = ops.sum(rows, axis=-2)
+        if combiner == "sum":
+            return pooled
+        if combiner == "mean":
+            return ops.divide_no_nan(pooled, ops.sum(weights, axis=-2))
+        return ops.divide_no_nan(pooled, ops.sqrt(ops.sum(ops.square(weights), axis=-2)))
+
+    def _check_group_optimizers(self):
+        """Raise if tables grouped for their equal optimizers no longer have equal ones (one was changed)."""
+        for group in self._grouping.groups:
+            members = group._members
+            distinct = {id(o): (t, o) for t, o in members}
+            if len(distinct) < 2:
+                continue
+            keys = {_optimizer_key(o): t.name for t, o in distinct.values()}
+            if len(keys) > 1:
+                raise ValueError(
+                    "keras_tpu_optim.layers.DistributedEmbedding: the tables "
+                    f"{sorted(t.name for t, _ in members)} were grouped for their equal optimizers, which now "
+                    "differ. Set hyperparameters on every table's optimizer alike, or give the tables one optimizer "
+                    "instance."
+                )
+
+    def get_embedding_tables(self):
+        """`{table name: its rows}` (tensors, not the variables), as keras-rs's layer returns them."""
+        return {
+            table.name: self._slice(self._grouping.groups[g].embeddings, table)
+            for table in self._tables
+            for g in [self._grouping.placement[table.name][0]]
+        }
+
+    def _slice(self, variable, table):
+        _, offset = self._grouping.placement[table.name]
+        value = variable.value if hasattr(variable, "value") else variable
+        return value[offset : offset + table.vocabulary_size]
+
+    def _table_state(self, table):
+        """`{name: variable}` of a table's group: the stacked table, its step count and slots."""
+        group = self._grouping.groups[self._grouping.placement[table.name][0]]
+        names = ("embeddings", "iterations", "momenta", "velocities", "row_steps")
+        return dict(zip(names, group._saved_variables()))
+
+    def save_own_variables(self, store):
+        for table in self._tables:
+            for name, variable in self._table_state(table).items():
+                value = variable.value if name == "iterations" else self._slice(variable, table)
+                store[f"{table.name}:{name}"] = ops.convert_to_numpy(value)
+            rate = self._own_learning_rate(table)
+            if rate is not None:
+                store[f"{table.name}:learning_rate"] = ops.convert_to_numpy(rate.value)
+
+    def _own_learning_rate(self, table):
+        """The learning-rate variable of a table's own optimizer (the layer's is saved as Keras saves it)."""
+        optimizer = self.table_optimizer(table.name)
+        rate = _private.raw_learning_rate(optimizer)
+        return (
+            rate if optimizer is not self._optimizer and isinstance(rate, keras.Variable) else None
+        )
+
+    def load_own_variables(self, store):
+        keys = set(store.keys())
+        for table in self._tables:
+            for name in self._table_state(table):
+                if f"{table.name}:{name}" not in keys:
+                    raise ValueError(
+                        f"Layer '{self.name}': no saved `{name}` of the table '{table.name}' (saved: "
+                        f"{sorted(keys)}); the file was written with other tables or optimizer options."
+                    )
+        for group in self._grouping.groups:
+            counts = {
+                t.name: float(np.asarray(store[f"{t.name}:iterations"])) for t, _ in group._members
+            }
+            if len(set(counts.values())) > 1:
+                raise ValueError(
+                    f"Layer '{self.name}': the tables {sorted(counts)} are stepped together here, but were saved "
+                    f"after different numbers of steps: {counts}."
+                )
+            group.iterations.assign(next(iter(counts.values())))
+            for name, variable in zip(
+                ("embeddings", "momenta", "velocities", "row_steps"),
+                (group.embeddings, group.momenta, group.velocities, group.row_steps),
+            ):
+                if variable is None:
+                    continue
+                parts = [
+                    np.asarray(store[f"{t.name}:{name}"], variable.dtype) for t, _ in group._members
+                ]
+                variable.assign(np.concatenate(parts, axis=0))
+        for table in self._tables:
+            rate = self._own_learning_rate(table)
+            if rate is not None and f"{table.name}:learning_rate" in keys:
+                rate.assign(np.asarray(store[f"{table.name}:learning_rate"]))
+
+    def get_config(self):
+        config = super().get_config()
+
+        def table_config(t):
+            optimizer = t.optimizer
+            if isinstance(optimizer, keras.optimizers.Optimizer):
+                optimizer = keras.optimizers.serialize(optimizer)
+            return dict(
+                name=t.name,
+                vocabulary_size=t.vocabulary_size,
+                embedding_dim=t.embedding_dim,
+                initializer=keras.initializers.serialize(keras.initializers.get(t.initializer)),
+                optimizer=optimizer,
+                combiner=t.combiner,
+                placement=getattr(t, "placement", "auto"),
+            )
+
+        config["tables"] = [table_config(t) for t in self._tables]
+        config["features"] = [
+            dict(
+                name=f.name,
+                table=f.table.name,
+                input_shape=None if f.input_shape is None else list(f.input_shape),
+                output_shape=None if f.output_shape is None else list(f.output_shape),
+            )
+            for f in self._features
+        ]
+        # The structure, with each feature's position in `features` for the feature.
+        config["feature_configs"] = keras.tree.pack_sequence_as(
+            self.feature_configs, list(range(len(self._features)))
+        )
+        config["optimizer"] = (
+            None if self._optimizer is None else keras.optimizers.serialize(self._optimizer)
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        tables = {}
+        for t in config.pop("tables"):
+            t = dict(t)
+            t["initializer"] = keras.initializers.deserialize(t["initializer"])
+            if isinstance(t["optimizer"], dict):
+                t["optimizer"] = keras.optimizers.deserialize(t["optimizer"])
+            tables[t["name"]] = TableConfig(**t)
+        features = [
+            FeatureConfig(
+                name=f["name"],
+                table=tables[f["table"]],
+                input_shape=None if f["input_shape"] is None else tuple(f["input_shape"]),
+                output_shape=None if f["output_shape"] is None else tuple(f["output_shape"]),
+            )
+            for f in config.pop("features")
+        ]
+        config["feature_configs"] = keras.tree.map_structure(
+            lambda i: features[i], config["feature_configs"]
+        )
+        if config.get("optimizer") is not None:
+            config["optimizer"] = keras.optimizers.deserialize(config["optimizer"])
+        return cls(**config)

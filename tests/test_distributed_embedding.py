@@ -1,0 +1,374 @@
+"""`keras_tpu_optim.layers.DistributedEmbedding`: many tables in one layer, each trained by its EmbeddingAdam.
+
+References, written independently of the layer: the numpy EmbeddingAdam (tests/reference), one per table,
+fed the gradient of each looked-up row computed in numpy from the pooling formulas (keras-rs's
+`EmbedReduce`: weighted sum, divided by the weights' sum for "mean" or by the root of their squares' sum
+for "sqrtn"), and keras-rs's own layer for the outputs of its configs.
+"""
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+import keras
+from keras import ops
+
+import keras_tpu_optim as kto
+from keras_tpu_optim.layers import DistributedEmbedding, FeatureConfig, TableConfig
+from reference.numpy_embedding_adam import NumpyEmbeddingAdam
+from test_layers_embedding import OPTION_CASES, numpy_of, reference_arguments
+
+BACKEND = keras.backend.backend()
+BATCH, K = 6, 3
+# (rows, dim, combiner, the table's optimizer: None for the layer's)
+TABLES = {
+    "a": (40, 4, "mean", None),
+    "b": (30, 4, "sqrtn", None),  # grouped with "a": same width, the layer's optimizer
+    "c": (20, 3, "sum", "override"),  # an EmbeddingAdam of its own
+    "d": (25, 4, "mean", "keras_adam"),  # keras.optimizers.Adam, mapped
+}
+# feature -> (table, ids per example or None for one id per example, weighted)
+FEATURES = {
+    "fa": ("a", None, False),
+    "fa_bag": ("a", K, True),  # shares table "a" with "fa"
+    "fb": ("b", K, False),
+    "fc": ("c", K, True),
+    "fd": ("d", None, False),
+}
+OVERRIDE = dict(learning_rate=0.2, clipvalue=0.05)
+ADAM = dict(learning_rate=0.03)
+
+
+def initial_table(name):
+    rows, dim = TABLES[name][:2]
+    return np.random.RandomState(ord(name)).normal(size=(rows, dim)).astype("float32")
+
+
+def table_optimizer(kind):
+    if kind == "override":
+        return kto.EmbeddingAdam(**OVERRIDE)
+    if kind == "keras_adam":
+        return keras.optimizers.Adam(**ADAM)
+    return None
+
+
+def feature_configs():
+    tables = {
+        name: TableConfig(
+            name,
+            rows,
+            dim,
+            initializer=keras.initializers.Constant(initial_table(name)),
+            optimizer=table_optimizer(kind),
+            combiner=combiner,
+        )
+        for name, (rows, dim, combiner, kind) in TABLES.items()
+    }
+    return {
+        name: FeatureConfig(
+            name,
+            tables[table],
+            input_shape=(BATCH,) if per_example is None else (BATCH, per_example),
+            output_shape=(BATCH, TABLES[table][1]),
+        )
+        for name, (table, per_example, _) in FEATURES.items()
+    }
+
+
+def step_inputs(step):
+    rng = np.random.RandomState(step)
+    ids, weights = {}, {}
+    for name, (table, per_example, weighted) in FEATURES.items():
+        rows = TABLES[table][0]
+        # Low ids more often: duplicates within a feature and across the features of a table.
+        shape = (BATCH,) if per_example is None else (BATCH, per_example)
+        ids[name] = np.minimum(rng.geometric(0.2, size=shape) - 1, rows - 1).astype("int32")
+        weights[name] = (
+            rng.uniform(0.0, 2.0, size=shape).astype("float32")
+            if weighted
+            else np.ones(shape, "float32")
+        )
+    weights["fb"][0, 0] = 0.0  # a padded entry
+    return ids, weights
+
+
+def pooled_numpy(table, ids, weights, combiner):
+    """keras-rs's EmbedReduce in numpy: `(rows, d loss / d rows per unit output gradient)`."""
+    rows = table[ids].astype(np.float64)
+    if ids.ndim == 1:
+        scale = weights if combiner == "sum" else np.ones_like(weights)
+        return rows * scale[:, None], scale
+    if combiner == "sum":
+        norm = np.ones((ids.shape[0],))
+    elif combiner == "mean":
+        norm = weights.sum(axis=1)
+    else:
+        norm = np.sqrt(np.square(weights).sum(axis=1))
+    scale = weights / norm[:, None]
+    return (rows * scale[..., None]).sum(axis=1), scale
+
+
+def reference_optimizers(options):
+    references = {}
+    for name, (_, _, _, kind) in TABLES.items():
+        if kind == "override":
+            arguments = reference_arguments(OVERRIDE)
+        elif kind == "keras_adam":
+            arguments = dict(ADAM, sum_inside_sqrt=False)
+        else:
+            arguments = reference_arguments(options)
+        references[name] = NumpyEmbeddingAdam(initial_table(name), **arguments)
+    return references
+
+
+def dot_loss(y_true, y_pred):
+    return ops.sum(y_true * y_pred, axis=-1)
+
+
+def make_model(options, configs=None, layer_optimizer="default"):
+    if layer_optimizer == "default":
+        layer_optimizer = kto.EmbeddingAdam(**{"learning_rate": 0.05, **options})
+    layer = DistributedEmbedding(configs or feature_configs(), optimizer=layer_optimizer)
+    ids = {
+        name: keras.Input((per_example,) if per_example else (), dtype="int32", name=name)
+        for name, (_, per_example, _) in FEATURES.items()
+    }
+    weights = {name: keras.Input(ids[name].shape[1:], name=f"{name}_w") for name in FEATURES}
+    outputs = layer(ids, weights)
+    model = keras.Model([ids, weights], ops.concatenate([outputs[n] for n in FEATURES], axis=-1))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=dot_loss)
+    return model, layer
+
+
+def width():
+    return sum(TABLES[table][1] for table, _, _ in FEATURES.values())
+
+
+def reference_step(references, ids, weights, coefficients):
+    """The outputs before the step, then each table's numpy step with its features' row gradients."""
+    outputs, start, entries = [], 0, {name: ([], []) for name in TABLES}
+    for name, (table, _, _) in FEATURES.items():
+        dim, combiner = TABLES[table][1], TABLES[table][2]
+        pooled, scale = pooled_numpy(references[table].weights, ids[name], weights[name], combiner)
+        outputs.append(pooled)
+        upstream = coefficients[:, start : start + dim] / BATCH  # d mean(sum(y * out)) / d out
+        start += dim
+        row_gradients = scale[..., None] * (upstream[:, None] if ids[name].ndim > 1 else upstream)
+        entries[table][0].append(ids[name].reshape(-1))
+        entries[table][1].append(row_gradients.reshape(-1, dim))
+    for table, (table_ids, gradients) in entries.items():
+        references[table].apply_sparse(np.concatenate(table_ids), np.concatenate(gradients))
+    return np.concatenate(outputs, axis=-1)
+
+
+def assert_tables_match(layer, references):
+    tables = layer.get_embedding_tables()
+    for name, reference in references.items():
+        np.testing.assert_allclose(
+            numpy_of(tables[name]), reference.weights, rtol=2e-6, atol=2e-7, err_msg=name
+        )
+
+
+@pytest.mark.parametrize("case", list(OPTION_CASES))
+def test_tables_match_numpy_embedding_adam(case):
+    """`train_on_batch` on a model whose loss is linear in the pooled rows: every table (two grouped by the
+    layer's optimizer, shared by two features; one with its own EmbeddingAdam; one with Keras's Adam) against
+    its numpy EmbeddingAdam fed the rows' gradients; the outputs against numpy's pooling."""
+    options = OPTION_CASES[case]
+    model, layer = make_model(options)
+    assert sorted(len(group._members) for group in layer._grouping.groups) == [1, 1, 2]
+    references = reference_optimizers(options)
+    for step in range(3):
+        ids, weights = step_inputs(step)
+        coefficients = np.random.RandomState(50 + step).normal(size=(BATCH, width()))
+        coefficients = coefficients.astype("float32")
+        expected = reference_step(references, ids, weights, coefficients)
+        np.testing.assert_allclose(
+            numpy_of(model.predict_on_batch([ids, weights])), expected, rtol=1e-5, atol=1e-6
+        )
+        model.train_on_batch([ids, weights], coefficients)
+        assert_tables_match(layer, references)
+    # Rows never looked up keep their bits (lazy): the last rows of "a" are out of the ids' reach here.
+    if options.get("lazy_adam", True):
+        never = [
+            r
+            for r in range(40)
+            if all(
+                r not in step_inputs(s)[0]["fa"] and r not in step_inputs(s)[0]["fa_bag"]
+                for s in range(3)
+            )
+        ]
+        np.testing.assert_array_equal(
+            numpy_of(layer.get_embedding_tables()["a"])[never], initial_table("a")[never]
+        )
+
+
+def test_adam_tables_and_the_layer_optimizer():
+    """`"adam"` takes the layer's optimizer where one is given, and Keras's default Adam where not; a
+    `keras.optimizers.Adam` becomes the EmbeddingAdam with its numbers; tables of one width and equal
+    optimizers share a group."""
+    layer_optimizer = kto.EmbeddingAdam(0.5)
+    adam = keras.optimizers.Adam(0.02, beta_1=0.8, epsilon=1e-5)
+    tables = [
+        TableConfig("x", 10, 2, optimizer="adam"),
+        TableConfig("y", 10, 2, optimizer=adam),
+        TableConfig("z", 10, 2, optimizer=adam),
+        TableConfig("w", 10, 2),
+    ]
+    features = [FeatureConfig(t.name, t) for t in tables]
+    layer = DistributedEmbedding(features, optimizer=layer_optimizer)
+    assert layer.table_optimizer("x") is layer_optimizer
+    assert layer.table_optimizer("w") is layer_optimizer
+    converted = layer.table_optimizer("y")
+    assert converted is layer.table_optimizer("z")
+    assert isinstance(converted, kto.EmbeddingAdam)
+    assert (converted.sum_inside_sqrt, converted.beta_1, converted.epsilon) == (False, 0.8, 1e-5)
+    assert float(numpy_of(converted.learning_rate)) == pytest.approx(0.02)
+    assert sorted(len(g._members) for g in layer._grouping.groups) == [2, 2]
+    alone = DistributedEmbedding([FeatureConfig("x", TableConfig("x", 10, 2, optimizer="adam"))])
+    default = alone.table_optimizer("x")
+    assert (default.sum_inside_sqrt, default.epsilon, default.beta_2) == (False, 1e-7, 0.999)
+    assert float(numpy_of(default.learning_rate)) == pytest.approx(0.001)
+
+
+def _features(*tables, shape=None):
+    return [FeatureConfig(f"f{i}", t, input_shape=shape) for i, t in enumerate(tables)]
+
+
+@pytest.mark.parametrize(
+    "make, named",
+    [
+        (lambda: _features(TableConfig("t", 5, 2), TableConfig("t", 6, 2)), "'t'"),
+        (lambda: [FeatureConfig("f", None)], "'f'"),
+        (lambda: _features(TableConfig("t", 0, 2)), "vocabulary_size"),
+        (lambda: _features(TableConfig("t", 5, -1)), "embedding_dim"),
+        (lambda: _features(TableConfig("t", 5, 2, combiner="max")), "combiner"),
+        (lambda: _features(TableConfig("t", 5, 2, optimizer="sgd")), "'sgd'"),
+        (lambda: _features(TableConfig("t", 5, 2, optimizer="adagrad")), "'adagrad'"),
+        (lambda: _features(TableConfig("t", 5, 2, optimizer=keras.optimizers.SGD())), "'SGD'"),
+        (
+            lambda: _features(
+                TableConfig("t", 5, 2, optimizer=keras.optimizers.Adam(amsgrad=True))
+            ),
+            "amsgrad",
+        ),
+        (lambda: _features(TableConfig("t", 5, 2, placement="sparsecore")), "placement"),
+        (
+            lambda: _features(
+                TableConfig("t", 5, 2, optimizer=kto.EmbeddingAdam(gradient_accumulation_steps=2))
+            ),
+            "gradient_accumulation_steps",
+        ),
+    ],
+)
+def test_misconfigurations_raise_naming_the_table(make, named):
+    with pytest.raises(ValueError, match=named):
+        DistributedEmbedding(make(), optimizer=kto.EmbeddingAdam())
+
+
+def test_no_optimizer_and_wrong_shapes_raise():
+    with pytest.raises(ValueError, match="table 't': it has no optimizer"):
+        DistributedEmbedding(_features(TableConfig("t", 5, 2)))
+    layer = DistributedEmbedding(
+        _features(TableConfig("t", 5, 2), shape=(4, 3)), optimizer=kto.EmbeddingAdam()
+    )
+    with pytest.raises(ValueError, match="feature 'f0' has `input_shape=\\(4, 3\\)`"):
+        layer([np.zeros((4, 2), "int32")])
+    with pytest.raises(ValueError, match="2 features are configured"):
+        DistributedEmbedding(
+            _features(TableConfig("t", 5, 2), TableConfig("u", 5, 2)), optimizer=kto.EmbeddingAdam()
+        )([np.zeros((4,), "int32")])
+
+
+def test_ids_past_a_stacked_table_never_reach_its_neighbour():
+    """Tables "a" and "b" are stacked; an id past "a" looks up no row of "b" (it fails or gathers as an id past
+    the whole stacked table does on this backend)."""
+    a, b = TableConfig("a", 3, 2, initializer="ones"), TableConfig("b", 3, 2, initializer="ones")
+    layer = DistributedEmbedding(_features(a, b), optimizer=kto.EmbeddingAdam())
+    try:
+        rows = numpy_of(layer([np.array([3], "int32"), np.array([0], "int32")])[0])
+    except Exception:  # noqa: BLE001 - TF and torch refuse an out-of-range id, as their lookups do
+        return
+    assert not np.array_equal(rows, np.ones((1, 2)))
+
+
+def test_save_load_into_another_grouping_and_resume_exactly(tmp_path):
+    """Trained 2 steps, saved, loaded into layers that group and order the tables otherwise: the state of
+    every table carries over, and training on continues as uninterrupted training does."""
+    model, layer = make_model({})
+    for step in range(2):
+        ids, weights = step_inputs(step)
+        model.train_on_batch([ids, weights], np.ones((BATCH, width()), "float32"))
+    path = str(tmp_path / "tables.weights.h5")
+    model.save_weights(path)
+    ids, weights = step_inputs(2)
+    model.train_on_batch([ids, weights], np.ones((BATCH, width()), "float32"))
+
+    # Another grouping: "b" gets an optimizer of its own, with the layer's numbers (`max_touched_rows` does
+    # not change a lookup's step, but makes the configurations differ): "b" moves from row 40 of a stacked
+    # table to a table of its own.
+    configs = feature_configs()
+    configs["fb"].table.optimizer = kto.EmbeddingAdam(0.05, max_touched_rows=1000)
+    regrouped, other = make_model({}, configs=configs)
+    assert sorted(len(g._members) for g in other._grouping.groups) == [1, 1, 1, 1]
+    regrouped.load_weights(path)
+    regrouped.train_on_batch([ids, weights], np.ones((BATCH, width()), "float32"))
+    for name, table in layer.get_embedding_tables().items():
+        np.testing.assert_array_equal(numpy_of(other.get_embedding_tables()[name]), numpy_of(table))
+
+
+def test_model_save_and_load_keeps_configs(tmp_path):
+    model, layer = make_model({})
+    ids, weights = step_inputs(0)
+    model.train_on_batch([ids, weights], np.ones((BATCH, width()), "float32"))
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path, custom_objects={"dot_loss": dot_loss})
+    other = next(l for l in loaded.layers if isinstance(l, DistributedEmbedding))
+    for name, table in layer.get_embedding_tables().items():
+        np.testing.assert_array_equal(numpy_of(other.get_embedding_tables()[name]), numpy_of(table))
+    assert float(numpy_of(other.table_optimizer("c").learning_rate)) == pytest.approx(0.2)
+    np.testing.assert_array_equal(
+        numpy_of(loaded.predict_on_batch([ids, weights])),
+        numpy_of(model.predict_on_batch([ids, weights])),
+    )
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("keras_rs") is None, reason="keras-rs is not installed"
+)
+def test_keras_rs_configs_give_keras_rs_outputs():
+    """keras-rs's own configs, as they are: our outputs equal keras-rs's layer's on the same tables."""
+    import keras_rs
+
+    tables = [
+        keras_rs.layers.TableConfig(
+            name,
+            rows,
+            dim,
+            initializer=keras.initializers.Constant(initial_table(name)),
+            combiner=combiner,
+        )
+        for name, (rows, dim, combiner, _) in TABLES.items()
+    ]
+    by_name = {t.name: t for t in tables}
+    configs = {
+        name: keras_rs.layers.FeatureConfig(
+            name,
+            by_name[table],
+            input_shape=(BATCH,) if k is None else (BATCH, k),
+            output_shape=(BATCH, TABLES[table][1]),
+        )
+        for name, (table, k, _) in FEATURES.items()
+    }
+    ours = DistributedEmbedding(configs, optimizer=kto.EmbeddingAdam())
+    theirs = keras_rs.layers.DistributedEmbedding(configs)
+    ids, weights = step_inputs(0)
+    expected = theirs(ids, weights)
+    actual = ours(ids, weights)
+    for name in FEATURES:
+        np.testing.assert_allclose(
+            numpy_of(actual[name]), numpy_of(expected[name]), rtol=1e-6, atol=1e-7, err_msg=name
+        )
+    assert ours.table_optimizer("a") is ours.optimizer  # keras-rs's default "adam": the layer's
