@@ -33,6 +33,7 @@ BENCHES = (
     "embedding_options",
     "fit",
     "recommender",
+    "criteo",
     "torch_launches",
 )
 # Benchmarks of one backend's own concern: run on that backend alone.
@@ -405,6 +406,7 @@ def write_markdown(results, status, path, quick):
         ]
 
     lines += _recommender_section(results)
+    lines += _criteo_section(results)
     lines += _torch_launches_section(results)
     lines += _tuned_section(results)
     with open(path, "w") as f:
@@ -478,6 +480,51 @@ def _fit_peak_above_sgd(backend_result):
         and m.get("fit_peak_mb") is not None
         and param_mb
     }
+
+
+def _criteo_section(results):
+    """The Criteo-shaped model (`bench_criteo.py`): many tables in one layer against the peers."""
+    found = [(k, results[("criteo", k)]) for k in BACKENDS if ("criteo", k) in results]
+    if not found:
+        return []
+    lines = [
+        "## Many tables in one layer: a Criteo-shaped model's `fit` step",
+        "",
+        "`integration/bench_criteo.py`: 26 one-id features in tables of Criteo's cardinalities capped at 1M rows, "
+        "16 wide, 13 dense features, a DLRM-shaped MLP, batch 2,048, Zipf ids; `train_on_batch`, median ms a step; "
+        "each configuration in its own process. `distributed`: `kto.layers.DistributedEmbedding`; `layers26`: 26 "
+        "`kto.layers.Embedding`; `one_table`: one `kto.layers.Embedding` of all rows; `keras_rs`: keras-rs's layer "
+        "off TPU, its tables trained by the model's Adam; `keras`: 26 `keras.layers.Embedding` and Keras's Adam. "
+        "torch ops: aten ops one step dispatches; JAX kernels: the compiled step's entry instructions.",
+        "",
+    ]
+    rows = [
+        [
+            k,
+            f"`{x['config']}`",
+            _size(x["rows"]),
+            _f(x["median_ms"], ".2f"),
+            _f(x["first_loss"], ".4f"),
+            _f(x["last_loss"], ".4f"),
+            x.get("torch_ops", x.get("jax_kernels", "")),
+        ]
+        for k, r in found
+        for x in r["records"]
+    ]
+    header = ["backend", "configuration", "rows", "step ms", "loss, first 3", "loss, last 3"]
+    lines += [_md_table(header + ["torch ops / JAX kernels"], rows), ""]
+    rows = [
+        [k, t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]]]
+        for k, r in found
+        for t in r["targets"]
+    ]
+    lines += [
+        "### Targets",
+        "",
+        _md_table(["backend", "target", "measured", "goal", "result"], rows),
+        "",
+    ]
+    return lines
 
 
 def _recommender_section(results):

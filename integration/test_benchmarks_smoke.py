@@ -215,6 +215,32 @@ def test_bench_recommender_quick(tmp_path, capsys):
     assert "Tables trained in the lookup" in (tmp_path / "report" / "benchmarks.md").read_text()
 
 
+@pytest.mark.skipif(
+    BACKEND not in ("tensorflow", "jax", "torch"), reason="benchmarks cover TF, JAX and torch"
+)
+def test_bench_criteo_quick(tmp_path, capsys):
+    """Two configurations in-process (the others build the same way, with peers' layers): the targets that
+    compare them are measured, and the report has its section."""
+    stdout, data = _run(
+        "bench_criteo.py", tmp_path, capsys, "--steps", "2", "--in-process",
+        "--configs", "distributed,one_table",
+    )  # fmt: skip
+    assert f"Criteo-shaped fit steps ({BACKEND})" in stdout
+    records = {r["config"]: r for r in data["records"]}
+    assert set(records) == {"distributed", "one_table"}
+    count = {"torch": "torch_ops", "jax": "jax_kernels"}.get(BACKEND)
+    if count:
+        assert records["distributed"][count] > 0
+        assert any(t["value"] is not None and count in t["target"] for t in data["targets"])
+    (tmp_path / "report").mkdir()
+    with open(tmp_path / "report" / f"criteo_{BACKEND}.json", "w") as f:
+        json.dump(data, f)
+    import run_benchmarks
+
+    run_benchmarks.write_report(str(tmp_path / "report"), quick=True)
+    assert "Many tables in one layer" in (tmp_path / "report" / "benchmarks.md").read_text()
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="bench_torch_launches.py measures torch alone")
 def test_bench_torch_launches_quick(tmp_path, capsys):
     stdout, data = _run("bench_torch_launches.py", tmp_path, capsys, "--steps", "1")

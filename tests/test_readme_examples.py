@@ -4,6 +4,7 @@ import pathlib
 import re
 
 import keras
+import numpy as np
 import pytest
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
@@ -45,3 +46,30 @@ def test_recommender_example_trains_the_tables_in_fit():
     assert (
         set(velocities.any(axis=1).nonzero()[0].tolist()) == touched
     )  # only looked-up rows have state
+
+
+def test_many_tables_example_trains_each_table():
+    namespace = {}
+    exec(
+        compile(_python_block_after("## Many tables in one layer"), "README.md", "exec"), namespace
+    )
+    embedding, x = namespace["embedding"], namespace["x"]
+    groups = embedding._grouping.groups
+    assert sorted(len(g._members) for g in groups) == [1, 2]  # users and items stacked
+    assert {k: tuple(v.shape) for k, v in namespace["tables"].items()} == {
+        "users": (100_000, 16),
+        "items": (20_000, 16),
+        "cities": (500, 16),
+    }
+    assert [float(keras.ops.convert_to_numpy(g.iterations)) for g in groups] == [8, 8]  # 2048 / 256
+    # Each table's state is touched exactly at its features' ids (items: "item" and "history").
+    seen = {
+        "users": x["user"],
+        "items": np.union1d(x["item"], x["history"].reshape(-1)),
+        "cities": x["city"],
+    }
+    for name, ids in seen.items():
+        group, first = embedding._grouping.placement[name]
+        rows = namespace["tables"][name].shape[0]
+        momenta = keras.ops.convert_to_numpy(groups[group].momenta)[first : first + rows]
+        assert set(np.flatnonzero(momenta.any(axis=1)).tolist()) == set(np.unique(ids).tolist())

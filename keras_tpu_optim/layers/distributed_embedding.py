@@ -356,47 +356,51 @@ class DistributedEmbedding(keras.layers.Layer):
         self._check_group_optimizers()
         outputs = [None] * len(flat)
         for group, members in zip(self._grouping.groups, self._grouping.features):
-            ids = []
             for i in members:
-                x = flat[i]
-                self._check_shape(self._features[i], tuple(x.shape))
-                if x.dtype not in ("int32", "int64"):
-                    x = ops.cast(x, "int32")
-                ids.append(self._stacked_ids(x, self._features[i].table))
-            rows = self._grouped_lookup(group, ids, training)
+                self._check_shape(self._features[i], tuple(flat[i].shape))
+            rows = self._grouped_lookup(group, [flat[i] for i in members], members, training)
             for i, looked_up in zip(members, rows):
                 outputs[i] = self._pooled(
                     looked_up, flat_weights[i], self._features[i].table.combiner, len(flat[i].shape)
                 )
         return keras.tree.pack_sequence_as(self.feature_configs, outputs)
 
-    def _stacked_ids(self, ids, table):
-        """A table's ids as rows of its group's stacked table; one out of range stays out of the stacked table's
-        range (so it fails, or gathers, as the backend's lookup does with it), never another table's row."""
-        group, offset = self._grouping.placement[table.name]
-        ids = ops.cast(ids, "int32")
-        if offset == 0 and self._grouping.groups[group].input_dim == table.vocabulary_size:
-            return ids
-        outside = ops.logical_or(ids < 0, ids >= table.vocabulary_size)
-        return ops.where(outside, self._grouping.groups[group].input_dim, ids + offset)
-
-    def _grouped_lookup(self, group, ids, training):
-        """The rows of `ids` (a list of id tensors of the group), by one call of the group's layer."""
-        if len(ids) == 1:
-            return [group(ids[0], training=training)]
+    def _grouped_lookup(self, group, ids, members, training):
+        """The rows of `ids` (the id tensors of the group's features `members`), by one call of the group's
+        layer: ids of one shape stacked (a step's work then does not grow with their number), others
+        flattened and concatenated."""
+        tables = [self._features[i].table for i in members]
+        ids = [x if x.dtype == "int32" else ops.cast(x, "int32") for x in ids]
         shapes = [tuple(x.shape) for x in ids]
-        if all(s == shapes[0] for s in shapes):
-            return ops.unstack(group(ops.stack(ids), training=training), axis=0)
+        if all(shape == shapes[0] for shape in shapes):
+            rank = len(shapes[0])
+            stacked = ids[0][None] if len(ids) == 1 else ops.stack(ids)
+            rows = group(self._stacked_ids(stacked, tables, rank), training=training)
+            return [rows[0]] if len(ids) == 1 else ops.unstack(rows, axis=0)
         flat = [ops.reshape(x, (-1,)) for x in ids]
-        rows = group(ops.concatenate(flat, axis=0), training=training)
+        stacked = [self._stacked_ids(f[None], [t], 1)[0] for f, t in zip(flat, tables)]
+        rows = group(ops.concatenate(stacked, axis=0), training=training)
         out, start = [], 0
         for x, f in zip(ids, flat):
             size = ops.shape(f)[0]
-            out.append(
-                ops.reshape(rows[start : start + size], tuple(ops.shape(x)) + (group.output_dim,))
-            )
+            out.append(ops.reshape(rows[start : start + size], tuple(ops.shape(x)) + (group.output_dim,)))
             start = start + size
         return out
+
+    def _stacked_ids(self, ids, tables, rank):
+        """`ids` (`(len(tables), *shape)`, table `i`'s ids at `i`) as rows of their group's stacked table; an id
+        out of its table's range maps past the stacked table (so it fails, or gathers, as the backend's lookup
+        does with such an id), never to another table's row."""
+        group, first = self._grouping.placement[tables[0].name]
+        total = self._grouping.groups[group].input_dim
+        if len(tables) == 1 and first == 0 and tables[0].vocabulary_size == total:
+            return ids
+        per_table = (len(tables),) + (1,) * rank
+        offsets = [self._grouping.placement[t.name][1] for t in tables]
+        offsets = ops.reshape(ops.convert_to_tensor(offsets, "int32"), per_table)
+        sizes = ops.reshape(ops.convert_to_tensor([t.vocabulary_size for t in tables], "int32"), per_table)
+        outside = ops.logical_or(ids < 0, ids >= sizes)
+        return ops.where(outside, total, ids + offsets)
 
     def _pooled(self, rows, weights, combiner, rank):
         """keras-rs's `EmbedReduce`: rows of `(batch,)` ids as they are (times the weights for `"sum"`), rows of
