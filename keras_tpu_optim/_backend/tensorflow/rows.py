@@ -36,7 +36,10 @@ def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplic
 
 
 def sparse_row_update(update_rows, indices, values, targets, accumulate_duplicates, group=None):
-    """The rows `indices` of `targets` updated with `values`, in place (`sparse_rows.sparse_row_update`)."""
+    """The rows `indices` of `targets` updated with `values`, in place (`sparse_rows.sparse_row_update`);
+    under XLA the ids are ranked by an argsort (`sparse_rows.id_ranks`)."""
+    if group is None and indices.shape[0] != 0:
+        group = sparse_rows.id_ranks(indices, search=False)
     sparse_rows.sparse_row_update(
         update_rows,
         indices,
