@@ -1,7 +1,7 @@
 """A Criteo-shaped recommender trained by `fit` steps: many tables in one layer against the peers.
 
 The model (DLRM-shaped, the interaction a concatenation): 26 categorical
-features, one id each, in tables of Criteo's 26 cardinalities capped at 1M
+features, one id each (one input each; the one table takes them stacked), in tables of Criteo's 26 cardinalities capped at 1M
 rows (5.57M rows in all; `--quick`: capped at 1,000), 16 wide; 13 dense
 features through a Dense(64)-Dense(16) bottom; the 27 vectors concatenated
 into a Dense(64)-Dense(1) top, sigmoid cross-entropy; batch 2,048; Zipf
@@ -79,9 +79,15 @@ def build_model(config: str, sizes):
     def table_optimizer():
         return kto.EmbeddingAdam(LEARNING_RATE, sum_inside_sqrt=False)
 
-    ids = keras.Input((len(sizes),), dtype="int32", name="ids")
     dense = keras.Input((DENSE_FEATURES,), name="dense_features")
-    columns = [ids[:, i] for i in range(len(sizes))]
+    # One input per feature (as a recommender's data has them), but for the one table, which takes them stacked.
+    if config == "one_table":
+        ids = keras.Input((len(sizes),), dtype="int32", name="ids")
+    else:
+        ids = {
+            f"f{i:02d}": keras.Input((), dtype="int32", name=f"f{i:02d}") for i in range(len(sizes))
+        }
+        columns = [ids[f"f{i:02d}"] for i in range(len(sizes))]
     if config == "one_table":
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         table = kto.layers.Embedding(sum(sizes), DIM, optimizer=table_optimizer(), name="table")
@@ -177,13 +183,20 @@ def worker(config: str, quick: bool, steps: int, warmup: int) -> dict:
     position = [0]
     losses = []
 
+    def inputs(ids, dense):
+        if config == "one_table":
+            return [ids, dense]
+        return [{f"f{i:02d}": ids[:, i].copy() for i in range(ids.shape[1])}, dense]
+
+    batches = [(inputs(ids, dense), labels) for ids, dense, labels in batches]
+
     def step():
-        ids, dense, labels = batches[position[0] % len(batches)]
+        x, labels = batches[position[0] % len(batches)]
         position[0] += 1
-        losses.append(float(model.train_on_batch([ids, dense], labels)))
+        losses.append(float(model.train_on_batch(x, labels)))
 
     timing = bc.time_steps(step, steps, warmup)
-    ids, dense, labels = batches[0]
+    x, labels = batches[0]
     record = {
         "config": config,
         "rows": sum(sizes),
@@ -194,9 +207,9 @@ def worker(config: str, quick: bool, steps: int, warmup: int) -> dict:
     }
     backend = keras.backend.backend()
     if backend == "torch":
-        record["torch_ops"] = torch_ops_of_a_step(model, [ids, dense], labels)
+        record["torch_ops"] = torch_ops_of_a_step(model, x, labels)
     elif backend == "jax":
-        record["jax_kernels"] = jax_kernels_of_the_step(model, [ids, dense], labels)
+        record["jax_kernels"] = jax_kernels_of_the_step(model, x, labels)
     return record
 
 

@@ -372,3 +372,165 @@ def test_keras_rs_configs_give_keras_rs_outputs():
             numpy_of(actual[name]), numpy_of(expected[name]), rtol=1e-6, atol=1e-7, err_msg=name
         )
     assert ours.table_optimizer("a") is ours.optimizer  # keras-rs's default "adam": the layer's
+
+
+def _ragged_rows():
+    """Rows of up to K ids (one empty), their weights, and one dense id per example."""
+    rng = np.random.RandomState(7)
+    lengths = [1, 3, 0, 2, 3, 1]
+    rows = [rng.randint(0, 40, n).tolist() for n in lengths]
+    weights = [rng.uniform(0.5, 2.0, n).astype("float32").tolist() for n in lengths]
+    return rows, weights, rng.randint(0, 40, BATCH).astype("int32")
+
+
+def _sparse_inputs(rows, weights):
+    """`(ids, weights)` as the backend's ragged or sparse tensors, or None where it has neither."""
+    indices = np.array([[b, j] for b, r in enumerate(rows) for j in range(len(r))], "int64")
+    values = np.array([i for r in rows for i in r], "int32")
+    weight_values = np.array([w for ws in weights for w in ws], "float32")
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return {
+            "ragged": (tf.ragged.constant(rows, tf.int32), tf.ragged.constant(weights, tf.float32)),
+            "sparse": (
+                tf.SparseTensor(indices, values, (BATCH, K)),
+                tf.SparseTensor(indices, weight_values, (BATCH, K)),
+            ),
+        }
+    if BACKEND == "jax":
+        from jax.experimental import sparse
+
+        return {
+            "sparse": (
+                sparse.BCOO((values, indices.astype("int32")), shape=(BATCH, K)),
+                sparse.BCOO((weight_values, indices.astype("int32")), shape=(BATCH, K)),
+            )
+        }
+    return {}
+
+
+@pytest.mark.skipif(
+    BACKEND == "torch", reason="torch has no ragged or sparse inputs (keras-rs: TF and JAX)"
+)
+@pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
+def test_ragged_and_sparse_inputs_look_up_and_update_only_their_entries(combiner):
+    """A bag feature given as a ragged or sparse tensor, beside a dense feature of the same table: the pooled
+    rows equal numpy's over the present entries (an empty row pools to zeros), and a training step updates
+    the table as the numpy EmbeddingAdam fed only those entries' gradients: padding looks nothing up."""
+    rows, weights, single = _ragged_rows()
+    for kind, (bag, bag_weights) in _sparse_inputs(rows, weights).items():
+        table = TableConfig(
+            "a",
+            40,
+            4,
+            initializer=keras.initializers.Constant(initial_table("a")),
+            combiner=combiner,
+        )
+        features = {
+            "bag": FeatureConfig("bag", table, input_shape=(BATCH, K)),
+            "one": FeatureConfig("one", table, input_shape=(BATCH,)),
+        }
+        layer = DistributedEmbedding(features, optimizer=kto.EmbeddingAdam(0.05))
+        reference = NumpyEmbeddingAdam(initial_table("a"), learning_rate=0.05)
+        w = reference.weights.astype(np.float64)
+        norms = [
+            (sum(ws) if combiner == "mean" else np.sqrt(sum(x * x for x in ws))) if ws else 1.0
+            for ws in weights
+        ]
+        expected = np.stack(
+            [
+                sum((wt * w[i] for i, wt in zip(r, ws)), np.zeros(4)) / n
+                for r, ws, n in zip(rows, weights, norms)
+            ]
+        )
+        coefficients = np.random.RandomState(3).normal(size=(BATCH, 4))
+
+        def loss_of(outputs):
+            return ops.sum(outputs["bag"] * coefficients) + ops.sum(outputs["one"])
+
+        if BACKEND == "tensorflow":
+            import tensorflow as tf
+
+            with tf.GradientTape() as tape:
+                outputs = layer(
+                    {"bag": bag, "one": single}, {"bag": bag_weights, "one": None}, training=True
+                )
+                loss = loss_of(outputs)
+            tape.gradient(loss, layer.trainable_variables)
+        else:
+            import jax
+
+            outputs = layer({"bag": bag, "one": single}, {"bag": bag_weights, "one": None})
+            trainable = [v.value for v in layer.trainable_variables]
+
+            def loss_fn(values):
+                out, _ = layer.stateless_call(
+                    values,
+                    [],
+                    {"bag": bag, "one": single},
+                    {"bag": bag_weights, "one": None},
+                    training=True,
+                )
+                return loss_of(out)
+
+            new_values = jax.grad(loss_fn)(trainable)
+            for variable, value in zip(layer.trainable_variables, new_values):
+                variable.assign(value)  # `overwrite_with_gradient`: the gradient is the new value
+        np.testing.assert_allclose(
+            numpy_of(outputs["bag"]), expected, rtol=1e-5, atol=1e-6, err_msg=kind
+        )
+        ids = [i for r in rows for i in r] + single.tolist()
+        gradients = [
+            coefficients[b] * wt / norms[b]
+            for b, (r, ws) in enumerate(zip(rows, weights))
+            for wt in ws
+        ]
+        gradients += [np.ones(4)] * BATCH
+        reference.apply_sparse(np.array(ids), np.array(gradients))
+        np.testing.assert_allclose(
+            numpy_of(layer.get_embedding_tables()["a"]),
+            reference.weights,
+            rtol=2e-6,
+            atol=2e-7,
+            err_msg=kind,
+        )
+
+
+@pytest.mark.skipif(
+    BACKEND != "jax", reason=f"keras.distribution runs on the JAX backend; this run is {BACKEND}"
+)
+def test_jax_model_parallel_stacked_tables_split_by_rows():
+    """The groups' stacked tables and slots split by rows over 4 of 8 devices (`ModelParallel`): the same
+    numbers as on one device."""
+    if len(keras.distribution.list_devices()) < 8:
+        pytest.skip("needs 8 JAX devices: XLA_FLAGS=--xla_force_host_platform_device_count=8")
+
+    def train(model):
+        for step in range(2):
+            ids, weights = step_inputs(step)
+            coefficients = np.random.RandomState(50 + step).normal(size=(BATCH, width()))
+            model.train_on_batch([ids, weights], coefficients.astype("float32"))
+
+    single, one = make_model({})
+    train(single)
+    mesh = keras.distribution.DeviceMesh(
+        (2, 4), ("batch", "model"), keras.distribution.list_devices()
+    )
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*/(embeddings|momenta|velocities)"] = ("model", None)
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    )
+    try:
+        split, layer = make_model({})
+        train(split)
+    finally:
+        keras.distribution.set_distribution(None)
+    for group in layer._grouping.groups:
+        shard = group.embeddings.value.addressable_shards[0].data
+        assert shard.shape[0] == group.input_dim // 4, group.name
+    for name, table in one.get_embedding_tables().items():
+        np.testing.assert_allclose(
+            numpy_of(layer.get_embedding_tables()[name]), numpy_of(table), rtol=1e-5, atol=1e-7
+        )

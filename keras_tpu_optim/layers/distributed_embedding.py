@@ -124,6 +124,57 @@ def _copied_initializer(initializer, index):
     return type(initializer).from_config(config)
 
 
+def _padded_rows(rows):
+    """A stacked table's rows: its tables' and at least one zero row (absent entries look it up), up to a
+    multiple of 1,024 (of a power of two below that), so that a layout splits it over devices evenly."""
+    multiple = min(1024, 1 << rows.bit_length())
+    return -(-(rows + 1) // multiple) * multiple
+
+
+def _dense_ids(ids, weights, feature):
+    """`(ids, present, weights)`: a feature's ids as a dense tensor; for a ragged (TF) or sparse (TF, JAX)
+    input, padded to `input_shape`'s width where given (longer rows truncated, as keras-rs does), with
+    `present` marking its entries and `weights` zero elsewhere (ones where it has none); else `present`
+    None and the inputs as they are."""
+    backend = keras.backend.backend()
+    width = (getattr(feature, "input_shape", None) or (None, None))[-1]
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        if isinstance(ids, tf.RaggedTensor):
+            shape = [None, width]
+            present = tf.ones_like(ids, tf.bool).to_tensor(False, shape=shape)
+            weights = tf.cast(tf.ones_like(ids) if weights is None else weights, tf.float32)
+            return ids.to_tensor(0, shape=shape), present, weights.to_tensor(0.0, shape=shape)
+        if isinstance(ids, tf.SparseTensor):
+            if width is not None:
+                ids = tf.sparse.slice(ids, [0, 0], [ids.dense_shape[0], width])
+                ids = tf.SparseTensor(ids.indices, ids.values, [ids.dense_shape[0], width])
+            ones = tf.SparseTensor(
+                ids.indices, tf.ones_like(ids.values, tf.float32), ids.dense_shape
+            )
+            present = tf.sparse.to_dense(ones) > 0
+            if weights is None:
+                weights = ones
+            weights = (
+                tf.sparse.to_dense(weights) if isinstance(weights, tf.SparseTensor) else weights
+            )
+            return tf.sparse.to_dense(ids), present, tf.cast(weights, tf.float32)
+    if backend == "jax":
+        from jax.experimental import sparse as jax_sparse
+
+        if isinstance(ids, jax_sparse.JAXSparse):
+            ones = jax_sparse.BCOO(
+                (ops.ones_like(ids.data, "float32"), ids.indices), shape=ids.shape
+            ).todense()
+            if weights is None:
+                weights = ones
+            elif isinstance(weights, jax_sparse.JAXSparse):
+                weights = weights.todense()
+            return ids.todense(), ones > 0, weights
+    return ids, None, weights
+
+
 def _optimizer_key(optimizer):
     config = dict(keras.optimizers.serialize(optimizer)["config"])
     config.pop("name", None)
@@ -131,10 +182,10 @@ def _optimizer_key(optimizer):
 
 
 class _Grouping:
-    """The groups (`kto.layers.Embedding`s of stacked tables), each table's `(group index, first row)`, and each group's features."""
+    """The groups (`kto.layers.Embedding`s of stacked tables), their tables' rows, each table's `(group index, first row)`, and each group's features."""
 
     def __init__(self):
-        self.groups, self.placement, self.features = [], {}, []
+        self.groups, self.placement, self.features, self.rows = [], {}, [], []
 
 
 class _Stacked(keras.initializers.Initializer):
@@ -145,7 +196,10 @@ class _Stacked(keras.initializers.Initializer):
 
     def __call__(self, shape, dtype=None):
         return ops.concatenate(
-            [ops.cast(init((rows, shape[1]), dtype=dtype), dtype) for init, rows in self.parts],
+            [
+                ops.cast(keras.initializers.get(init)((rows, shape[1]), dtype=dtype), dtype)
+                for init, rows in self.parts
+            ],
             axis=0,
         )
 
@@ -224,9 +278,11 @@ class DistributedEmbedding(keras.layers.Layer):
             names = [table.name for _, table, _ in members]
             try:
                 group = Embedding(
-                    offset,
+                    _padded_rows(offset),
                     members[0][1].embedding_dim,
-                    embeddings_initializer=_Stacked(parts),
+                    embeddings_initializer=_Stacked(
+                        parts + [("zeros", _padded_rows(offset) - offset)]
+                    ),
                     optimizer=members[0][2],
                     name=re.sub(r"[^A-Za-z0-9_.-]", "_", "_".join(names))[:100],
                     dtype=self.dtype_policy,
@@ -237,6 +293,7 @@ class DistributedEmbedding(keras.layers.Layer):
                 (table, table_optimizer) for _, table, table_optimizer in members
             ]
             grouping.groups.append(self._tracker.track(group))
+            grouping.rows.append(offset)
         for g in range(len(grouping.groups)):
             grouping.features.append(
                 [
@@ -354,53 +411,72 @@ class DistributedEmbedding(keras.layers.Layer):
             )
         flat_weights = [None] * len(flat) if weights is None else keras.tree.flatten(weights)
         self._check_group_optimizers()
+        present = [None] * len(flat)
+        for i, feature in enumerate(self._features):
+            flat[i], present[i], flat_weights[i] = _dense_ids(flat[i], flat_weights[i], feature)
+            self._check_shape(feature, tuple(flat[i].shape))
         outputs = [None] * len(flat)
         for group, members in zip(self._grouping.groups, self._grouping.features):
-            for i in members:
-                self._check_shape(self._features[i], tuple(flat[i].shape))
-            rows = self._grouped_lookup(group, [flat[i] for i in members], members, training)
+            rows = self._grouped_lookup(
+                group, [flat[i] for i in members], [present[i] for i in members], members, training
+            )
             for i, looked_up in zip(members, rows):
                 outputs[i] = self._pooled(
                     looked_up, flat_weights[i], self._features[i].table.combiner, len(flat[i].shape)
                 )
         return keras.tree.pack_sequence_as(self.feature_configs, outputs)
 
-    def _grouped_lookup(self, group, ids, members, training):
-        """The rows of `ids` (the id tensors of the group's features `members`), by one call of the group's
-        layer: ids of one shape stacked (a step's work then does not grow with their number), others
-        flattened and concatenated."""
+    def _grouped_lookup(self, group, ids, present, members, training):
+        """The rows of `ids` (the id tensors of the group's features `members`; `present`: None, or where an
+        entry of a ragged or sparse input is), by one call of the group's layer: ids of one shape stacked (a
+        step's work then does not grow with their number), others flattened and concatenated."""
         tables = [self._features[i].table for i in members]
         ids = [x if x.dtype == "int32" else ops.cast(x, "int32") for x in ids]
+        if any(p is not None for p in present):
+            present = [ops.ones_like(x, "bool") if p is None else p for x, p in zip(ids, present)]
+        else:
+            present = None
         shapes = [tuple(x.shape) for x in ids]
         if all(shape == shapes[0] for shape in shapes):
-            rank = len(shapes[0])
-            stacked = ids[0][None] if len(ids) == 1 else ops.stack(ids)
-            rows = group(self._stacked_ids(stacked, tables, rank), training=training)
+            stack = (lambda xs: xs[0][None]) if len(ids) == 1 else ops.stack
+            stacked = self._stacked_ids(
+                stack(ids), None if present is None else stack(present), tables, len(shapes[0])
+            )
+            rows = group(stacked, training=training)
             return [rows[0]] if len(ids) == 1 else ops.unstack(rows, axis=0)
         flat = [ops.reshape(x, (-1,)) for x in ids]
-        stacked = [self._stacked_ids(f[None], [t], 1)[0] for f, t in zip(flat, tables)]
+        stacked = [
+            self._stacked_ids(
+                f[None], None if present is None else ops.reshape(p, (1, -1)), [t], 1
+            )[0]
+            for f, p, t in zip(flat, present or [None] * len(flat), tables)
+        ]
         rows = group(ops.concatenate(stacked, axis=0), training=training)
         out, start = [], 0
         for x, f in zip(ids, flat):
             size = ops.shape(f)[0]
-            out.append(ops.reshape(rows[start : start + size], tuple(ops.shape(x)) + (group.output_dim,)))
+            out.append(
+                ops.reshape(rows[start : start + size], tuple(ops.shape(x)) + (group.output_dim,))
+            )
             start = start + size
         return out
 
-    def _stacked_ids(self, ids, tables, rank):
-        """`ids` (`(len(tables), *shape)`, table `i`'s ids at `i`) as rows of their group's stacked table; an id
-        out of its table's range maps past the stacked table (so it fails, or gathers, as the backend's lookup
-        does with such an id), never to another table's row."""
-        group, first = self._grouping.placement[tables[0].name]
-        total = self._grouping.groups[group].input_dim
-        if len(tables) == 1 and first == 0 and tables[0].vocabulary_size == total:
-            return ids
+    def _stacked_ids(self, ids, present, tables, rank):
+        """`ids` (`(len(tables), *shape)`, table `i`'s ids at `i`) as rows of their group's stacked table. An
+        absent entry (`present` False) looks up the zero row after the tables, which nothing reads; an id out
+        of its table's range maps past that (so it fails, or gathers, as the backend's lookup does with such
+        an id), never to another table's row."""
+        group, _ = self._grouping.placement[tables[0].name]
+        sink = self._grouping.rows[group]
         per_table = (len(tables),) + (1,) * rank
         offsets = [self._grouping.placement[t.name][1] for t in tables]
         offsets = ops.reshape(ops.convert_to_tensor(offsets, "int32"), per_table)
-        sizes = ops.reshape(ops.convert_to_tensor([t.vocabulary_size for t in tables], "int32"), per_table)
+        sizes = ops.reshape(
+            ops.convert_to_tensor([t.vocabulary_size for t in tables], "int32"), per_table
+        )
         outside = ops.logical_or(ids < 0, ids >= sizes)
-        return ops.where(outside, total, ids + offsets)
+        rows = ops.where(outside, self._grouping.groups[group].input_dim, ids + offsets)
+        return rows if present is None else ops.where(present, rows, sink)
 
     def _pooled(self, rows, weights, combiner, rank):
         """keras-rs's `EmbedReduce`: rows of `(batch,)` ids as they are (times the weights for `"sum"`), rows of
@@ -481,7 +557,7 @@ class DistributedEmbedding(keras.layers.Layer):
                         f"Layer '{self.name}': no saved `{name}` of the table '{table.name}' (saved: "
                         f"{sorted(keys)}); the file was written with other tables or optimizer options."
                     )
-        for group in self._grouping.groups:
+        for g, group in enumerate(self._grouping.groups):
             counts = {
                 t.name: float(np.asarray(store[f"{t.name}:iterations"])) for t, _ in group._members
             }
@@ -500,7 +576,8 @@ class DistributedEmbedding(keras.layers.Layer):
                 parts = [
                     np.asarray(store[f"{t.name}:{name}"], variable.dtype) for t, _ in group._members
                 ]
-                variable.assign(np.concatenate(parts, axis=0))
+                padding = (variable.shape[0] - self._grouping.rows[g],) + tuple(variable.shape[1:])
+                variable.assign(np.concatenate(parts + [np.zeros(padding, variable.dtype)], axis=0))
         for table in self._tables:
             rate = self._own_learning_rate(table)
             if rate is not None and f"{table.name}:learning_rate" in keys:
