@@ -219,19 +219,24 @@ def test_bench_recommender_quick(tmp_path, capsys):
     BACKEND not in ("tensorflow", "jax", "torch"), reason="benchmarks cover TF, JAX and torch"
 )
 def test_bench_criteo_quick(tmp_path, capsys):
-    """Two configurations in-process (the others build the same way, with peers' layers): the targets that
-    compare them are measured, and the report has its section."""
+    """One configuration in-process (the others build the same way, with peers' layers; the full run
+    compares them): its step, losses and op or kernel count, and the report's section."""
     stdout, data = _run(
-        "bench_criteo.py", tmp_path, capsys, "--steps", "2", "--in-process",
-        "--configs", "distributed,one_table",
-    )  # fmt: skip
+        "bench_criteo.py",
+        tmp_path,
+        capsys,
+        "--steps",
+        "2",
+        "--in-process",
+        "--configs",
+        "distributed",
+    )
     assert f"Criteo-shaped fit steps ({BACKEND})" in stdout
-    records = {r["config"]: r for r in data["records"]}
-    assert set(records) == {"distributed", "one_table"}
+    (record,) = data["records"]
+    assert record["config"] == "distributed" and record["median_ms"] > 0
     count = {"torch": "torch_ops", "jax": "jax_kernels"}.get(BACKEND)
     if count:
-        assert records["distributed"][count] > 0
-        assert any(t["value"] is not None and count in t["target"] for t in data["targets"])
+        assert record[count] > 0
     (tmp_path / "report").mkdir()
     with open(tmp_path / "report" / f"criteo_{BACKEND}.json", "w") as f:
         json.dump(data, f)

@@ -534,3 +534,27 @@ def test_jax_model_parallel_stacked_tables_split_by_rows():
         np.testing.assert_allclose(
             numpy_of(layer.get_embedding_tables()[name]), numpy_of(table), rtol=1e-5, atol=1e-7
         )
+
+
+@pytest.mark.skipif(
+    BACKEND != "tensorflow",
+    reason="JAX runs compiled (the tests above); torch runs eagerly (the tests above), and "
+    "`jit_compile=True` (torch.compile) of a layer trained in its lookup is not supported yet",
+)
+@pytest.mark.parametrize("compilation", ["run_eagerly", "jit_compile"])
+def test_eager_and_compiled_steps_agree(compilation):
+    """TensorFlow: the same steps eagerly (`run_eagerly=True`), in a `tf.function` (the default) and
+    compiled by XLA (`jit_compile=True`): the same tables."""
+    tables = []
+    for flags in ({}, {compilation: True}):
+        model, layer = make_model({})
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=dot_loss, **flags)
+        for step in range(2):
+            ids, weights = step_inputs(step)
+            coefficients = np.random.RandomState(50 + step).normal(size=(BATCH, width()))
+            model.train_on_batch([ids, weights], coefficients.astype("float32"))
+        tables.append({k: numpy_of(v) for k, v in layer.get_embedding_tables().items()})
+    for name in tables[0]:
+        np.testing.assert_allclose(
+            tables[1][name], tables[0][name], rtol=1e-6, atol=1e-7, err_msg=name
+        )
