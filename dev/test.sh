@@ -15,16 +15,11 @@ start=$(date +%s)
 . "$(dirname "$0")/env.sh"
 echo "environment ready after $(( $(date +%s) - start )) s"
 selection=()
-compile_faster=""
 quick=""
 if [ "${1:-}" = "--quick" ]; then
   shift
   quick=1
   selection=(tests -m "not processes" --each-value-once)
-  # The unit tests' tensors are tiny and compiling is most of their time: XLA's CPU code generated
-  # without the fusion emitters and LLVM's expensive passes compiles faster, and runs slower, which
-  # the processes the full run starts (real fits, several devices) would pay for.
-  compile_faster="--xla_cpu_use_fusion_emitters=false --xla_llvm_disable_expensive_passes=true"
 fi
 workers="${TEST_WORKERS:-2}"
 parallel=()
@@ -32,12 +27,13 @@ if [ "$workers" != "0" ]; then
   # worksteal: an idle worker takes queued tests from a busy one (test times range from ms to minutes).
   parallel=(-n "$workers" --dist worksteal)
 fi
-# Test-run settings, not the package's: XLA's CPU code generated without LLVM's optimisations
-# (the tests' tensors are tiny; compiling is most of their time) and in one piece (XLA splits a
-# program's LLVM module into parts compiled on a thread pool, which on two cores busy with two
-# workers only adds work), and one JAX compilation cache for the run, shared by the workers and
-# the processes tests start (identical programs compile once).
-export XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_cpu_parallel_codegen_split_count=1 $compile_faster ${XLA_FLAGS:-}"
+# Test-run settings, not the package's: XLA's CPU code generated without LLVM's optimisations,
+# its fusion emitters or its expensive passes (the tests' tensors are tiny; compiling is most of
+# their time: the JAX pass takes two thirds of the time it takes without the last two) and in one
+# piece (XLA splits a program's LLVM module into parts compiled on a thread pool, which on two
+# cores busy with two workers only adds work), and one JAX compilation cache for the run, shared
+# by the workers and the processes tests start (identical programs compile once).
+export XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_cpu_parallel_codegen_split_count=1 --xla_cpu_use_fusion_emitters=false --xla_llvm_disable_expensive_passes=true ${XLA_FLAGS:-}"
 if [ -n "$quick" ]; then
   # The quick tier keeps its compiled programs between runs (JAX's and TF's XLA caches, in the
   # ignored .test-cache/): a rerun compiles only what changed. One folder per environment and
