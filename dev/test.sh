@@ -29,8 +29,7 @@ if [ "$workers" != "0" ]; then
 fi
 # Test-run settings, not the package's: XLA's CPU code generated without LLVM's optimisations,
 # its fusion emitters or its expensive passes (the tests' tensors are tiny; compiling is most of
-# their time: the JAX pass takes two thirds of the time it takes without the last two) and in one
-# piece (XLA splits a program's LLVM module into parts compiled on a thread pool, which on two
+# their time) and in one piece (XLA splits a program's LLVM module into parts compiled on a thread pool, which on two
 # cores busy with two workers only adds work), and one JAX compilation cache for the run, shared
 # by the workers and the processes tests start (identical programs compile once).
 export XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_cpu_parallel_codegen_split_count=1 --xla_cpu_use_fusion_emitters=false --xla_llvm_disable_expensive_passes=true ${XLA_FLAGS:-}"
