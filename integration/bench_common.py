@@ -271,3 +271,14 @@ def write_json(path: str | None, payload: dict):
     with open(path, "w") as f:
         json.dump(payload, f, indent=1, default=float)
     print(f"wrote {path}", flush=True)
+
+
+def json_of_worker(command: list, what: str, timeout: int) -> dict | None:
+    """Run a benchmark's worker process; its last stdout line as JSON, or None (its stderr printed) if it failed."""
+    import subprocess
+
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        print(f"{what} failed:\n{done.stderr[-3000:]}", flush=True)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])

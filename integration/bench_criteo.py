@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import bench_common as bc
@@ -219,11 +218,7 @@ def run_worker(config: str, args) -> dict | None:
     command = [sys.executable, os.path.abspath(__file__), "--worker", config]
     command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     command += ["--quick"] if args.quick else []
-    done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0:
-        print(f"{config} failed:\n{done.stderr[-3000:]}", flush=True)
-        return None
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return bc.json_of_worker(command, config, timeout=3600)
 
 
 def report(backend: str, records: list) -> dict:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import bench_common as bc
@@ -122,11 +121,7 @@ def run_worker(config: str, rows: int, args) -> dict | None:
         "--warmup",
         str(args.warmup),
     ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        print(f"{config} at {rows} rows failed:\n{done.stderr[-3000:]}", flush=True)
-        return None
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return bc.json_of_worker(command, f"{config} at {rows} rows", timeout=1800)
 
 
 def report(backend: str, records: list) -> dict:

@@ -482,6 +482,21 @@ def _fit_peak_above_sgd(backend_result):
     }
 
 
+def _targets_lines(found):
+    """A section's "Targets" table: each backend's `targets` of its benchmark JSON."""
+    rows = [
+        [k, t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]]]
+        for k, r in found
+        for t in r["targets"]
+    ]
+    return [
+        "### Targets",
+        "",
+        _md_table(["backend", "target", "measured", "goal", "result"], rows),
+        "",
+    ]
+
+
 def _criteo_section(results):
     """The Criteo-shaped model (`bench_criteo.py`): many tables in one layer against the peers."""
     found = [(k, results[("criteo", k)]) for k in BACKENDS if ("criteo", k) in results]
@@ -513,18 +528,7 @@ def _criteo_section(results):
     ]
     header = ["backend", "configuration", "rows", "step ms", "loss, first 3", "loss, last 3"]
     lines += [_md_table(header + ["torch ops / JAX kernels"], rows), ""]
-    rows = [
-        [k, t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]]]
-        for k, r in found
-        for t in r["targets"]
-    ]
-    lines += [
-        "### Targets",
-        "",
-        _md_table(["backend", "target", "measured", "goal", "result"], rows),
-        "",
-    ]
-    return lines
+    return lines + _targets_lines(found)
 
 
 def _recommender_section(results):
@@ -573,18 +577,7 @@ def _recommender_section(results):
         ),
         "",
     ]
-    rows = [
-        [k, t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]]]
-        for k, r in found
-        for t in r["targets"]
-    ]
-    lines += [
-        "### Targets",
-        "",
-        _md_table(["backend", "target", "measured", "goal", "result"], rows),
-        "",
-    ]
-    return lines
+    return lines + _targets_lines(found)
 
 
 def _torch_launches_section(results):
@@ -726,18 +719,7 @@ def _options_section(results):
                 "Errors: " + "; ".join(f"{x['who']} {x['options']}: {x['error']}" for x in errs),
                 "",
             ]
-    rows = [
-        [k, t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]]]
-        for k, r in found
-        for t in r["targets"]
-    ]
-    lines += [
-        "### Targets",
-        "",
-        _md_table(["backend", "target", "measured", "goal", "result"], rows),
-        "",
-    ]
-    return lines
+    return lines + _targets_lines(found)
 
 
 def write_chart(results, path):
