@@ -538,13 +538,12 @@ def test_jax_model_parallel_stacked_tables_split_by_rows():
 
 @pytest.mark.skipif(
     BACKEND != "tensorflow",
-    reason="JAX runs compiled (the tests above); torch runs eagerly (the tests above), and "
-    "`jit_compile=True` (torch.compile) of a layer trained in its lookup is not supported yet",
+    reason="TF's eager, graph and XLA steps; JAX runs compiled (the tests above); torch: the next test",
 )
 @pytest.mark.parametrize("compilation", ["run_eagerly", "jit_compile"])
 def test_eager_and_compiled_steps_agree(compilation):
-    """TensorFlow: the same steps eagerly (`run_eagerly=True`), in a `tf.function` (the default) and
-    compiled by XLA (`jit_compile=True`): the same tables."""
+    """The same steps eagerly (`run_eagerly=True`), in a `tf.function` (the default) and compiled by XLA
+    (`jit_compile=True`): the same tables."""
     tables = []
     for flags in ({}, {compilation: True}):
         model, layer = make_model({})
@@ -558,3 +557,36 @@ def test_eager_and_compiled_steps_agree(compilation):
         np.testing.assert_allclose(
             tables[1][name], tables[0][name], rtol=1e-6, atol=1e-7, err_msg=name
         )
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="`torch.compile` is the torch backend's compiler")
+def test_torch_compile_steps_equal_eager_steps():
+    """`jit_compile=True` on torch (`torch.compile` of the train step, the lookups' updates in their
+    backward passes) gives the eager steps' tables, on a small model (compiling is most of the time)."""
+    tables = []
+    for jit_compile in (False, True):
+        shared = TableConfig(
+            "a", 40, 4, initializer=keras.initializers.Constant(initial_table("a"))
+        )
+        own = TableConfig(
+            "c", 20, 3, initializer=keras.initializers.Constant(initial_table("c")),
+            optimizer=kto.EmbeddingAdam(0.2),
+        )  # fmt: skip
+        features = {"x": FeatureConfig("x", shared), "y": FeatureConfig("y", own)}
+        layer = DistributedEmbedding(features, optimizer=kto.EmbeddingAdam(0.05))
+        inputs = {name: keras.Input((), dtype="int32", name=name) for name in features}
+        outputs = layer(inputs)
+        model = keras.Model(inputs, ops.concatenate([outputs["x"], outputs["y"]], axis=-1))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=dot_loss, jit_compile=jit_compile)
+        for step in range(2):
+            ids = step_inputs(step)[0]
+            x = {"x": ids["fa"], "y": np.minimum(ids["fd"], 19)}
+            model.train_on_batch(
+                x, np.random.RandomState(step).normal(size=(BATCH, 7)).astype("float32")
+            )
+        tables.append({k: numpy_of(v) for k, v in layer.get_embedding_tables().items()})
+    for name in tables[0]:
+        np.testing.assert_allclose(
+            tables[1][name], tables[0][name], rtol=1e-6, atol=1e-7, err_msg=name
+        )
+        assert not np.array_equal(tables[0][name], initial_table(name))

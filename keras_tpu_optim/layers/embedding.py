@@ -110,7 +110,7 @@ class Embedding(keras.layers.Embedding):
 
     Requirements, each checked where it can be: the layer is called once per
     training step (to look up several id tensors, concatenate them; checked
-    but in eager TensorFlow); no `tf.distribute` strategy; the
+    but in eager TensorFlow and under `torch.compile`); no `tf.distribute` strategy; the
     table is read only through the layer; the optimizer has no `use_ema`,
     `gradient_accumulation_steps`, `clipnorm`, `global_clipnorm`,
     `loss_scale_factor`, `skip_nonfinite_updates` or

@@ -219,9 +219,12 @@ def trained_lookup(
     options = dict(
         lazy=lazy, accumulate_duplicates=accumulate_duplicates, max_touched_rows=None, owner=owner
     )
+    # Traced by `torch.compile`, the step count seen here is the trace's, not each step's tensor.
+    checked = not torch.compiler.is_compiling()
 
     def update(ids, row_gradients, step):
-        _check_one_update_per_step(owner, count)
+        if checked:
+            _check_one_update_per_step(owner, count)
         flat_ids = ids.reshape(-1).long()
         values = row_gradients.reshape((flat_ids.shape[0],) + tuple(state[0].shape[1:]))
         # Checked where `to_dense` reads the ids (the lazy path's index ops check them themselves).
