@@ -57,18 +57,18 @@ def id_ranks(ids, search=True):
     return ops.scatter(ops.expand_dims(order, 1), ranks, (ops.shape(ids)[0],))
 
 
-def grouped_rows(ids, rows, accumulate_duplicates, group=None):
+def grouped_rows(ids, rows, accumulate_duplicates, group=None, search=True):
     """The distinct ids, each with the sum of its duplicates' rows or its last occurrence's.
 
     `group` numbers each entry's id from 0 (`tf.unique`, cheaper than a sort outside XLA; default:
-    `id_ranks`). Static shapes: the distinct ids first, then the last of them repeated with its row, so that
-    their scatters agree.
+    `id_ranks(ids, search)`). Static shapes: the distinct ids first, then the last of them repeated
+    with its row, so that their scatters agree.
     """
     count = ops.shape(ids)[0]
     if isinstance(count, int) and count == 0:
         return ids, rows
     if group is None:
-        group = id_ranks(ids)
+        group = id_ranks(ids, search)
     # Entry i carries group min(i, groups - 1): every group once, then the last one repeated.
     slot = ops.minimum(ops.arange(count, dtype="int32"), ops.max(group))
     distinct = ops.take(ops.segment_max(ids, group, num_segments=count), slot, axis=0)
@@ -81,11 +81,20 @@ def grouped_rows(ids, rows, accumulate_duplicates, group=None):
 
 
 def sparse_row_update(
-    update_rows, ids, rows, tables, *, accumulate_duplicates, gather, scatter, group=None
+    update_rows,
+    ids,
+    rows,
+    tables,
+    *,
+    accumulate_duplicates,
+    gather,
+    scatter,
+    group=None,
+    search=True,
 ):
     """`tables` (the table and its slots) after `update_rows(grad_rows, weight_rows, *slot_rows)` on the rows
     `ids` only; a backend passes `gather(table, ids)` and `scatter(table, ids, rows) -> table` (rows
     cast to the table's dtype)."""
-    ids, rows = grouped_rows(ids, rows, accumulate_duplicates, group)
+    ids, rows = grouped_rows(ids, rows, accumulate_duplicates, group, search)
     new_rows = update_rows(rows, *(gather(t, ids) for t in tables))
     return tuple(scatter(t, ids, new) for t, new in zip(tables, new_rows))

@@ -36,19 +36,15 @@ def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplic
 
 
 def sparse_row_update(update_rows, indices, values, targets, accumulate_duplicates, group=None):
-    """The rows `indices` of `targets` updated with `values`, in place (`sparse_rows.sparse_row_update`);
-    under XLA the ids are ranked by an argsort (`sparse_rows.id_ranks`)."""
-    if group is None and indices.shape[0] != 0:
-        group = sparse_rows.id_ranks(indices, search=False)
+    """`sparse_rows.sparse_row_update` in place, the ids ranked by an argsort (`id_ranks`) under XLA."""
+    options = dict(gather=tf.gather, scatter=_scatter, group=group, search=False)
     sparse_rows.sparse_row_update(
         update_rows,
         indices,
         values,
         targets,
         accumulate_duplicates=accumulate_duplicates,
-        gather=tf.gather,
-        scatter=_scatter,
-        group=group,
+        **options,
     )
 
 

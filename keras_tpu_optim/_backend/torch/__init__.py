@@ -219,8 +219,7 @@ def trained_lookup(
     options = dict(
         lazy=lazy, accumulate_duplicates=accumulate_duplicates, max_touched_rows=None, owner=owner
     )
-    # Traced by `torch.compile`, the step count seen here is the trace's, not each step's tensor.
-    checked = not torch.compiler.is_compiling()
+    checked = not torch.compiler.is_compiling()  # else the step count here is the trace's
 
     def update(ids, row_gradients, step):
         if checked:

@@ -27,9 +27,7 @@ class Scratch:
         numel = math.prod(shape)
         buffer = self._buffers.get((slot, dtype))
         if buffer is None or buffer.device != torch.device(device) or buffer.numel() < numel:
-            self._buffers[(slot, dtype)] = (
-                None  # Free the old buffer before allocating its successor.
-            )
+            self._buffers[(slot, dtype)] = buffer = None  # the old one freed before its successor
             buffer = self._buffers[(slot, dtype)] = torch.empty(
                 max(numel, 1), dtype=dtype, device=device
             )
@@ -41,11 +39,7 @@ def unique_rows(indices, values, accumulate_duplicates, scratch=None):
     (`accumulate_duplicates`) or the last occurrence's kept; `rows` may be a `scratch` buffer."""
     ids, position = torch.unique(indices, return_inverse=True)
     shape = (ids.shape[0],) + tuple(values.shape[1:])
-    out = (
-        None
-        if scratch is None
-        else scratch.empty(shape, GRADIENT_SLOT, values.dtype, values.device)
-    )
+    out = scratch and scratch.empty(shape, GRADIENT_SLOT, values.dtype, values.device)
     if accumulate_duplicates:
         rows = (
             torch.zeros(shape, dtype=values.dtype, device=values.device)
