@@ -16,7 +16,6 @@ Every wait is bounded, every child is ended on failure and each one's log is sho
 
 import json
 import os
-import sys
 import time
 
 import keras
@@ -46,6 +45,16 @@ pytestmark = [
 ]
 
 
+def _xla_flags(devices):
+    """The test run's XLA flags (dev/test.sh: its faster-compiling CPU code) with `devices` host devices."""
+    kept = [
+        flag
+        for flag in os.environ.get("XLA_FLAGS", "").split()
+        if not flag.startswith("--xla_force_host_platform_device_count")
+    ]
+    return " ".join([f"--xla_force_host_platform_device_count={devices}", *kept])
+
+
 def _jobs(tmp_path, name, jobs):
     """Run `jobs` (`(job name, num_processes, runs)`, independent of each other) side by side; wait for all."""
     out = tmp_path / "out"
@@ -60,10 +69,7 @@ def _jobs(tmp_path, name, jobs):
                     {"port": port, "num_processes": num_processes, "runs": runs, "out": str(out)}
                 )
             )
-            devices = 8 // num_processes
-            env = child_env(
-                KERAS_BACKEND="jax", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"
-            )
+            env = child_env(KERAS_BACKEND="jax", XLA_FLAGS=_xla_flags(8 // num_processes))
             for process_id in range(num_processes):
                 group.start(f"{job}_p{process_id}", [WORKER, str(spec), str(process_id)], env)
         group.wait(JOB_TIMEOUT)
