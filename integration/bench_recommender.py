@@ -6,6 +6,8 @@ configuration runs in its own process (`KERAS_BACKEND` from the environment):
 
 - `layer`: `kto.layers.Embedding(rows, 64, optimizer=kto.EmbeddingAdam(...))`,
   the table trained in the lookup's backward pass (at 1M and 10M rows);
+- `layer_not_lazy`: the same with `lazy_adam=False` (ordinary Adam, skipped steps caught up in
+  closed form when a row is read; at 1M and 10M rows);
 - `keras_adam`: `keras.layers.Embedding` trained by Keras's Adam (the model's
   optimizer);
 - `dense_path`: `keras.layers.Embedding` trained by `kto.EmbeddingAdam` as the
@@ -34,13 +36,14 @@ import sys
 import bench_common as bc
 
 DIM, BATCH, IDS_PER_EXAMPLE = 64, 1024, 4
-CONFIGS = ("layer", "keras_adam", "dense_path")
+CONFIGS = ("layer", "layer_not_lazy", "keras_adam", "dense_path")
+TABLE_CONFIGS = ("layer", "layer_not_lazy")
 
 
 def sizes_of(config: str, quick: bool) -> list:
     if quick:
-        return [1000, 10_000] if config == "layer" else [1000]
-    return [1_000_000, 10_000_000] if config == "layer" else [1_000_000]
+        return [1000, 10_000] if config in TABLE_CONFIGS else [1000]
+    return [1_000_000, 10_000_000] if config in TABLE_CONFIGS else [1_000_000]
 
 
 def worker(config: str, rows: int, steps: int, warmup: int) -> dict:
@@ -59,8 +62,9 @@ def worker(config: str, rows: int, steps: int, warmup: int) -> dict:
     bc._reset_hwm()
     before_model = bc.rss_bytes()
     ids = keras.Input((IDS_PER_EXAMPLE,), dtype="int32")
-    if config == "layer":
-        table = kto.layers.Embedding(rows, DIM, optimizer=kto.EmbeddingAdam(0.01), name="table")
+    if config in TABLE_CONFIGS:
+        optimizer = kto.EmbeddingAdam(0.01, lazy_adam=config == "layer")
+        table = kto.layers.Embedding(rows, DIM, optimizer=optimizer, name="table")
     else:
         table = keras.layers.Embedding(rows, DIM, name="table")
     output = keras.layers.Dense(1)(keras.ops.mean(table(ids), axis=1))
@@ -148,11 +152,14 @@ def report(backend: str, records: list) -> dict:
         else (None, None)
     )
     layer_small, layer_large = by.get(("layer", small)), by.get(("layer", large))
+    exact_small, exact_large = by.get(("layer_not_lazy", small)), by.get(("layer_not_lazy", large))
     adam_small = by.get(("keras_adam", small))
     ratio = lambda a, b: None if a is None or b is None else a["median_ms"] / b["median_ms"]
     targets = [
         bc.target("layer time(10M) / time(1M)", ratio(layer_large, layer_small), 1.3),
         bc.target("layer / Keras's Adam at 1M", ratio(layer_small, adam_small), 0.05),
+        bc.target("not lazy / lazy layer at 1M", ratio(exact_small, layer_small), 1.25),
+        bc.target("not lazy layer time(10M) / time(1M)", ratio(exact_large, exact_small), 2.0),
         bc.target(
             "layer steps' peak beyond the state / table bytes at 10M",
             None if layer_large is None else layer_large["peak_beyond_state_x_table"],

@@ -513,7 +513,9 @@ class DistributedEmbedding(keras.layers.Layer):
                 )
 
     def get_embedding_tables(self):
-        """`{table name: its rows}` (tensors, not the variables), as keras-rs's layer returns them."""
+        """`{table name: its rows}` (tensors, not the variables), as keras-rs's layer returns them; with
+        `lazy_adam=False`, caught up first (`catch_up`)."""
+        self.catch_up()
         return {
             table.name: self._slice(self._grouping.groups[g].embeddings, table)
             for table in self._tables
@@ -531,7 +533,14 @@ class DistributedEmbedding(keras.layers.Layer):
         names = ("embeddings", "iterations", "momenta", "velocities", "row_steps")
         return dict(zip(names, group._saved_variables()))
 
+    def catch_up(self):
+        """Bring every table trained with `lazy_adam=False` to ordinary Adam's values now, in one pass
+        (`kto.layers.Embedding.catch_up`): before reading the variables directly."""
+        for group in self._grouping.groups:
+            group.catch_up()
+
     def save_own_variables(self, store):
+        self.catch_up()
         for table in self._tables:
             for name, variable in self._table_state(table).items():
                 value = variable.value if name == "iterations" else self._slice(variable, table)
@@ -577,7 +586,10 @@ class DistributedEmbedding(keras.layers.Layer):
                     np.asarray(store[f"{t.name}:{name}"], variable.dtype) for t, _ in group._members
                 ]
                 padding = (variable.shape[0] - self._grouping.rows[g],) + tuple(variable.shape[1:])
-                variable.assign(np.concatenate(parts + [np.zeros(padding, variable.dtype)], axis=0))
+                # Saved caught up (`catch_up`): padding rows are current too.
+                fill = group.iterations.numpy() if name == "row_steps" else 0
+                variable.assign(np.concatenate(parts + [np.full(padding, fill, variable.dtype)]))
+            group._restart_catch_up_sums()  # every row is current
         for table in self._tables:
             rate = self._own_learning_rate(table)
             if rate is not None and f"{table.name}:learning_rate" in keys:

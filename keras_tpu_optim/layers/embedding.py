@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import keras
@@ -9,6 +10,7 @@ from keras import ops
 
 from keras_tpu_optim import _private
 from keras_tpu_optim._backend import backend
+from keras_tpu_optim._math import catch_up as catch_up_math
 from keras_tpu_optim._math import embedding_adam as adam_math
 from keras_tpu_optim.embedding_adam import EmbeddingAdam
 
@@ -108,6 +110,20 @@ class Embedding(keras.layers.Embedding):
     overwritten the same way (under `jax.jit` with donated state, as Keras's
     trainer runs it, in place).
 
+    With `lazy_adam=False` (ordinary Adam, in which a row not looked up
+    keeps moving), a row's skipped steps are applied in closed form when it
+    is next read, so the table trains with ordinary Adam's numbers at the
+    cost of the rows looked up (docs/algorithms.md#ordinary-adam-at-the-cost-of-the-rows-looked-up).
+    The state adds `row_steps` (the step each row is current at) and
+    `catch_up_sums` (a window of sums shared by every row); each step also
+    brings a run of `input_dim / window` rows up to date, so that no row
+    falls more than the window behind. Lookups outside training read
+    caught-up rows, and saving brings the whole table up to date first;
+    `catch_up` does that for code that reads the variables directly
+    (`get_weights()`). With betas for which no short series reaches float32
+    accuracy (`beta_1 / sqrt(beta_2)` near 1, e.g. `beta_2=0.99` with
+    `beta_1=0.9`), every row is stepped every step instead.
+
     Requirements, each checked where it can be: the layer is called once per
     training step (to look up several id tensors, concatenate them; checked
     but in eager TensorFlow and under `torch.compile`); no `tf.distribute` strategy; the
@@ -183,10 +199,37 @@ class Embedding(keras.layers.Embedding):
         self.velocities = self.add_weight(
             shape=rows if rowwise else table, name="velocities", **zeros, **state
         )
-        self.row_steps = None
-        if self._table_optimizer.bias_correction == "per_row":
+        rate = _private.raw_learning_rate(self._table_optimizer)
+        if isinstance(rate, keras.Variable):
+            # Tracked as the layer's: a compiled JAX step reads its value, not the value when traced.
+            self._table_learning_rate = rate
+        self.row_steps = self.catch_up_sums = None
+        terms = self._catch_up_terms()
+        if self._table_optimizer.bias_correction == "per_row" or terms:
             self.row_steps = self.add_weight(shape=rows, name="row_steps", **zeros, **state)
+        if terms:
+            window = catch_up_math.window_size(self.input_dim, self.output_dim, terms)
+            plan = catch_up_math.plan(*self._catch_up_key(), window)
+            self.catch_up_sums = self.add_weight(  # (`catch_up_math.initial_window`)
+                shape=(terms + 1, window + 1),
+                initializer=lambda shape, dtype: catch_up_math.initial_window(plan),
+                name="catch_up_sums",
+                dtype="float32",
+                **state,
+            )
         self.built = True
+
+    def _catch_up_key(self):
+        optimizer = self._table_optimizer
+        return (optimizer.beta_1, optimizer.beta_2, optimizer.sum_inside_sqrt)
+
+    def _catch_up_terms(self):
+        """The catch-up's number of series terms with `lazy_adam=False` (`_math.catch_up`), or None: lazy,
+        or betas for which no short series reaches float32 accuracy (then every row steps every step)."""
+        if self._table_optimizer.lazy_adam:
+            return None
+        found = catch_up_math.series(*self._catch_up_key())
+        return found and found[0]
 
     def _row_state(self):
         """The table and its slots, in the order of the row update's `options.slot_names`."""
@@ -199,27 +242,52 @@ class Embedding(keras.layers.Embedding):
         """`(learning_rate, options)` of the row update after `step` updates (`adam_math.RowUpdate`)."""
         optimizer = self._table_optimizer
         _check_optimizer(optimizer)  # Hyperparameters may have been set since the layer was built.
-        for name, built_with in (
-            ("second_moment", "rowwise" if len(self.velocities.shape) == 1 else "full"),
-            ("bias_correction", "global" if self.row_steps is None else "per_row"),
-        ):
+        built = [("second_moment", "rowwise" if len(self.velocities.shape) == 1 else "full")]
+        if self.catch_up_sums is None:  # (caught up, every row has the global count)
+            built.append(("bias_correction", "global" if self.row_steps is None else "per_row"))
+        for name, built_with in built:
             if getattr(optimizer, name) != built_with:
                 raise ValueError(
                     f"keras_tpu_optim.layers.Embedding: its optimizer's `{name}` decides the table's slots, which "
                     f"are built: set it before the layer is built. Received: {name}={getattr(optimizer, name)!r}"
                 )
+        if (self.catch_up_sums is None) != (self._catch_up_terms() is None) or (
+            self.catch_up_sums is not None
+            and self.catch_up_sums.shape[0] != self._catch_up_terms() + 1
+        ):
+            raise ValueError(
+                "keras_tpu_optim.layers.Embedding: its optimizer's `lazy_adam`, `beta_1`, `beta_2` and "
+                "`sum_inside_sqrt` decide the table's catch-up state, which is built: set them before the layer "
+                f"is built. Received: lazy_adam={optimizer.lazy_adam!r}, beta_1={optimizer.beta_1!r}, "
+                f"beta_2={optimizer.beta_2!r}, sum_inside_sqrt={optimizer.sum_inside_sqrt!r}"
+            )
         learning_rate = ops.cast(_private.learning_rate_at(optimizer, step), "float32")
         if optimizer.bias_correction == "global":
             learning_rate = adam_math.bias_corrected_learning_rate(
                 learning_rate, ops.cast(step, "float32") + 1.0, optimizer.beta_1, optimizer.beta_2
             )
-        return learning_rate, optimizer._row_update_options(self._embeddings)
+        options = optimizer._row_update_options(self._embeddings)
+        if self.catch_up_sums is not None:
+            options = dataclasses.replace(options, catch_up_window=self.catch_up_sums.shape[1] - 1)
+        return learning_rate, options
 
     def call(self, inputs, training=None):
-        if self._table_optimizer is None or not training or not self.trainable:
+        if self._table_optimizer is None:
             return super().call(inputs)
         if inputs.dtype != "int32" and inputs.dtype != "int64":
             inputs = ops.cast(inputs, "int32")
+        if not training or not self.trainable:
+            if self.catch_up_sums is None:
+                return super().call(inputs)
+            step = self.iterations.value
+            outputs = catch_up_math.read_rows(
+                tuple(v.value for v in self._row_state()),
+                inputs,
+                step,
+                self.catch_up_sums.value,
+                self._row_update_arguments(step)[1],
+            )
+            return ops.cast(outputs, dtype=self.compute_dtype)
         self._check_one_lookup_per_step()
         _check_model_optimizer(self.name)
         optimizer = self._table_optimizer
@@ -231,8 +299,46 @@ class Embedding(keras.layers.Embedding):
             lazy=optimizer.lazy_adam,
             accumulate_duplicates=optimizer.use_gradient_accumulation,
             owner=self,
+            window=self.catch_up_sums,
         )
         return ops.cast(outputs, dtype=self.compute_dtype)
+
+    def catch_up(self):
+        """With `lazy_adam=False`: bring every row of the table and its slots to ordinary Adam's values now,
+        in one pass over the table (eagerly). Training steps and lookups do this for the rows they read, and
+        saving does it for the whole table; call it before reading the variables directly (`get_weights()`).
+        Without `lazy_adam=False` there is nothing to do."""
+        if not self.built or self.catch_up_sums is None:
+            return
+        step = ops.stop_gradient(self.iterations.value)
+        options = self._row_update_arguments(step)[1]
+        state = self._row_state()
+        chunk = max(1, (1 << 22) // max(1, self.output_dim))
+        pieces = []
+        for start in range(0, self.input_dim, chunk):
+            rows = slice(start, min(self.input_dim, start + chunk))
+            pieces.append(
+                catch_up_math.caught_up(
+                    *(ops.cast(v.value[rows], "float32") for v in state[:3]),
+                    state[3].value[rows],
+                    step,
+                    self.catch_up_sums.value,
+                    options,
+                )
+            )
+        for i, variable in enumerate(state[:3]):
+            variable.assign(
+                ops.cast(ops.concatenate([p[i] for p in pieces], axis=0), variable.dtype)
+            )
+        self.row_steps.assign(ops.zeros(self.row_steps.shape, "float32") + step)
+        self._restart_catch_up_sums()
+
+    def _restart_catch_up_sums(self):
+        """With every row current, the sums of rows behind are read no more: they start afresh."""
+        if self.catch_up_sums is not None:
+            window = self.catch_up_sums.shape[1] - 1
+            plan = catch_up_math.plan(*self._catch_up_key(), window)
+            self.catch_up_sums.assign(catch_up_math.initial_window(plan))
 
     def _check_one_lookup_per_step(self):
         """Raise if the layer looks up twice in one traced step, told by the trace of `iterations` (torch
@@ -249,16 +355,23 @@ class Embedding(keras.layers.Embedding):
     def save_own_variables(self, store):
         if self._table_optimizer is None:
             return super().save_own_variables(store)
+        self.catch_up()
         for i, variable in enumerate(self._saved_variables()):
             store[str(i)] = variable
 
     def _saved_variables(self):
-        return (self._embeddings, self.iterations) + self._row_state()[1:]
+        window = () if self.catch_up_sums is None else (self.catch_up_sums,)
+        return (self._embeddings, self.iterations) + self._row_state()[1:] + window
 
     def load_own_variables(self, store):
         if self._table_optimizer is None:
             return super().load_own_variables(store)
         variables = self._saved_variables()
+        # Written before `lazy_adam=False` caught rows up (no sums, `row_steps` only with per-row bias
+        # correction): every row was stepped every step, so is current.
+        stepped_every_row = self.catch_up_sums is not None and len(store.keys()) in (4, 5)
+        if stepped_every_row:
+            variables = variables[: len(store.keys())]
         if len(store.keys()) != len(variables):
             raise ValueError(
                 f"Layer '{self.name}' expected {len(variables)} variables (the table, its step count and slots), "
@@ -266,6 +379,11 @@ class Embedding(keras.layers.Embedding):
             )
         for i, variable in enumerate(variables):
             variable.assign(store[str(i)])
+        if stepped_every_row:
+            self.row_steps.assign(
+                ops.zeros(self.row_steps.shape, "float32") + self.iterations.value
+            )
+            self._restart_catch_up_sums()
 
     def get_config(self):
         config = super().get_config()

@@ -77,14 +77,17 @@ def adam_row(
     weight_decay_factor,
     multiply_by_learning_rate,
     second_moment="full",
+    dtype=np.float64,
 ):
-    """One row (or a stack of rows) of docs/algorithms.md#embeddingadam, after gradient clipping.
+    """One row (or a stack of rows) of docs/algorithms.md#embeddingadam, after gradient clipping, computed
+    in `dtype` (the arguments are cast to it).
 
     For a stack of rows `lr_t` may hold one rate per row. With
     `second_moment="rowwise"` `velocities` holds one value per row.
     """
-    gradient = np.asarray(gradient, np.float64)
-    lr_t = np.asarray(lr_t, np.float64)
+    gradient = np.asarray(gradient, dtype)
+    lr_t = np.asarray(lr_t, dtype)
+    weight, momenta, velocities = (np.asarray(x, dtype) for x in (weight, momenta, velocities))
     if lr_t.ndim:  # one rate per row of a stack
         lr_t = lr_t.reshape(lr_t.shape + (1,) * (gradient.ndim - 1))
     if weight_decay_factor is not None:
@@ -136,15 +139,17 @@ class NumpyEmbeddingAdam:
         weight_dtype=None,
         second_moment="full",
         bias_correction="global",
+        compute_dtype=np.float64,
     ):
         self.weight_dtype = (
             np.dtype(weight_dtype) if weight_dtype is not None else np.asarray(weights).dtype
         )
         self.weights = np.array(weights, dtype=self.weight_dtype)
-        self.momenta = np.zeros(self.weights.shape, np.float64)
+        self.compute_dtype = np.dtype(compute_dtype)
+        self.momenta = np.zeros(self.weights.shape, self.compute_dtype)
         rows = self.weights.shape[0]
         self.velocities = np.zeros(
-            (rows,) if second_moment == "rowwise" else self.weights.shape, np.float64
+            (rows,) if second_moment == "rowwise" else self.weights.shape, self.compute_dtype
         )
         self.row_steps = np.zeros((rows,), np.int64)  # updates applied to each row
         self.bias_correction = bias_correction
@@ -187,7 +192,7 @@ class NumpyEmbeddingAdam:
         """Update `rows` (unique, sorted or not) with their (already combined) gradients."""
         rows = np.asarray(rows, np.int64)
         lr_t = self._lr_t(rows)
-        weight = self.weights.astype(np.float64)
+        weight = self.weights.astype(self.compute_dtype)
         new_w, new_m, new_v = adam_row(
             clip_gradient(row_gradients, self.clipvalue),
             weight[rows],
@@ -195,6 +200,7 @@ class NumpyEmbeddingAdam:
             self.velocities[rows],
             lr_t,
             **self.row_options,
+            dtype=self.compute_dtype,
         )
         weight[rows] = new_w
         self.momenta[rows] = new_m

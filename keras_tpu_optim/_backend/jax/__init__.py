@@ -13,6 +13,7 @@ from keras_tpu_optim._math import sparse_rows
 from keras_tpu_optim._backend.jax import rows
 from keras_tpu_optim._math import adafactor as adafactor_math
 from keras_tpu_optim._math import embedding_adam as adam_math
+from keras_tpu_optim._math import catch_up
 
 
 def platform_of(variable) -> str:
@@ -205,27 +206,40 @@ def _row_update(path, structure):
 
 
 def trained_lookup(
-    ids, state, iterations, row_update_arguments, *, lazy, accumulate_duplicates, owner
+    ids, state, iterations, row_update_arguments, *, lazy, accumulate_duplicates, owner, window=None
 ):
     """The rows of `state[0]` (the table, then its slots) at `ids`; the backward pass returns, as the gradients
     of the table, its slots and `iterations`, their values after the row update (`row_update_arguments(step)
-    -> (learning_rate, options)`), which Keras's `overwrite_with_gradient` installs: in place under `jax.jit`
-    with donated state. Out-of-range ids gather as Keras's `take` does and update nothing."""
+    -> (learning_rate, options)`, read in the forward pass, where Keras maps variables to the step's state),
+    which Keras's `overwrite_with_gradient` installs: in place under `jax.jit` with donated state.
+    Out-of-range ids gather as Keras's `take` does and update nothing. With a catch-up `window`
+    (`_math.catch_up`) the rows read are caught up, and the window's next value is its gradient."""
+    learning_rate, options = row_update_arguments(iterations.value)
 
     @jax.custom_vjp
-    def lookup(ids, step, *tables):
-        return ops.take(tables[0], ids, axis=0)
+    def lookup(ids, step, learning_rate, window, *tables):
+        if window is None:
+            return ops.take(tables[0], ids, axis=0)
+        return catch_up.read_rows(tables, ids, step, window, options)
 
-    def forward(ids, step, *tables):
-        return lookup(ids, step, *tables), (ids, step, tables)
+    def forward(ids, step, learning_rate, window, *tables):
+        residuals = (ids, step, learning_rate, window, tables)
+        return lookup(ids, step, learning_rate, window, *tables), residuals
 
     def backward(residuals, row_gradients):
-        ids, step, tables = residuals
+        ids, step, learning_rate, window, tables = residuals
         flat_ids = ids.reshape(-1)
         values = row_gradients.reshape((flat_ids.shape[0],) + tuple(tables[0].shape[1:]))
-        learning_rate, options = row_update_arguments(step)
-        update_rows = adam_math.RowUpdate(learning_rate, options)
-        if lazy:
+        new_window = None
+        if window is not None:
+            flat_ids, values = catch_up.with_swept_rows(
+                flat_ids, values, step, tables[0].shape[0], options
+            )
+            new_window = catch_up.advanced_window(window, learning_rate, step, options)
+        update_rows = adam_math.RowUpdate(
+            learning_rate, options, catch_up=None if window is None else (step, window)
+        )
+        if lazy or window is not None:
             new_tables = rows.sparse_row_update(
                 update_rows, flat_ids, values, tables, accumulate_duplicates=accumulate_duplicates
             )
@@ -234,10 +248,17 @@ def trained_lookup(
                 jax.numpy.zeros(tables[0].shape, values.dtype).at[flat_ids].add(values, mode="drop")
             )
             new_tables = update_rows(gradient, *tables)
-        return (None, step + 1, *(new.astype(t.dtype) for new, t in zip(new_tables, tables)))
+        new_tables = (new.astype(t.dtype) for new, t in zip(new_tables, tables))
+        return (None, step + 1, None, new_window, *new_tables)
 
     lookup.defvjp(forward, backward)
-    return lookup(ids, iterations.value, *(t.value for t in state))
+    return lookup(
+        ids,
+        iterations.value,
+        learning_rate,
+        None if window is None else window.value,
+        *(t.value for t in state),
+    )
 
 
 def lookup_trace(iterations):

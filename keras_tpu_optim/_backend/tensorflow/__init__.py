@@ -18,6 +18,7 @@ from keras_tpu_optim._backend.tensorflow.gradients import (
     unscale,
 )
 from keras_tpu_optim._backend.tensorflow.adafactor import adafactor_evaluation, adafactor_step
+from keras_tpu_optim._math import catch_up
 from keras_tpu_optim._math import embedding_adam as adam_math
 
 cond = neutral.cond
@@ -92,11 +93,12 @@ def accumulation_rows(owner):
 
 
 def trained_lookup(
-    ids, state, iterations, row_update_arguments, *, lazy, accumulate_duplicates, owner
+    ids, state, iterations, row_update_arguments, *, lazy, accumulate_duplicates, owner, window=None
 ):
     """The rows of `state[0]` at `ids`; the backward pass steps the table (and its slots) in place with the
     lookup's gradient and returns `iterations + 1` as the gradient of `iterations`, the one trainable
-    variable. Refused under a `tf.distribute` strategy: each replica would update the table."""
+    variable. With a catch-up `window` (`_math.catch_up`) the rows read are caught up and the window
+    advanced. Refused under a `tf.distribute` strategy: each replica would update the table."""
     if tf.distribute.has_strategy():
         raise ValueError(
             "keras_tpu_optim.layers.Embedding with `optimizer` does not run under a tf.distribute strategy "
@@ -104,10 +106,23 @@ def trained_lookup(
             "gradient. Use the layer without `optimizer` (EmbeddingAdam as the model's optimizer), or JAX's "
             "keras.distribution."
         )
-    looked_up = ops.take(state[0].value, ids, axis=0)
-
+    step_before = tf.convert_to_tensor(iterations.value)
+    window_before = None if window is None else tf.convert_to_tensor(window.value)
+    if window is None:
+        looked_up = ops.take(state[0].value, ids, axis=0)
+    else:
+        looked_up = catch_up.read_rows(
+            tuple(t.value for t in state),
+            ids,
+            step_before,
+            window_before,
+            row_update_arguments(step_before)[1],
+        )
     options = dict(
-        lazy=lazy, accumulate_duplicates=accumulate_duplicates, max_touched_rows=None, owner=owner
+        lazy=lazy or window is not None,
+        accumulate_duplicates=accumulate_duplicates,
+        max_touched_rows=None,
+        owner=owner,
     )
 
     @tf.custom_gradient
@@ -119,7 +134,16 @@ def trained_lookup(
             values = tf.reshape(
                 row_gradients, tf.concat([tf.shape(flat_ids, shape.dtype), shape[1:]], 0)
             )
-            update_rows = adam_math.RowUpdate(*row_update_arguments(step))
+            learning_rate, row_options = row_update_arguments(step)
+            if window is not None:
+                flat_ids, values = catch_up.with_swept_rows(
+                    flat_ids, values, step, state[0].shape[0], row_options
+                )
+            update_rows = adam_math.RowUpdate(
+                learning_rate,
+                row_options,
+                catch_up=None if window is None else (step, window_before),
+            )
             embedding_adam_step(
                 tf.IndexedSlices(values, flat_ids, shape),
                 state[0],
@@ -127,11 +151,15 @@ def trained_lookup(
                 update_rows,
                 **options,
             )
+            if window is not None:
+                window.assign(
+                    catch_up.advanced_window(window_before, learning_rate, step, row_options)
+                )
             return None, step + 1
 
         return tf.identity(looked_up), gradient
 
-    return hooked(looked_up, tf.convert_to_tensor(iterations.value))
+    return hooked(looked_up, step_before)
 
 
 def lookup_trace(iterations):

@@ -15,6 +15,7 @@ from keras_tpu_optim._backend.torch import adafactor, rows
 from keras_tpu_optim._backend.torch.rows import Scratch
 from keras_tpu_optim._math import adafactor as adafactor_math
 from keras_tpu_optim._math import embedding_adam as adam_math
+from keras_tpu_optim._math import catch_up
 
 
 cond = neutral.cond
@@ -210,14 +211,18 @@ def accumulation_rows(owner):
 
 
 def trained_lookup(
-    ids, state, iterations, row_update_arguments, *, lazy, accumulate_duplicates, owner
+    ids, state, iterations, row_update_arguments, *, lazy, accumulate_duplicates, owner, window=None
 ):
     """The rows of `state[0]` at `ids`; the backward pass steps the table (and its slots) in place with the
     lookup's gradient, as the table's sparse COO gradient, and returns `iterations + 1` as the gradient of
-    `iterations` (`row_update_arguments(step) -> (learning_rate, options)`)."""
+    `iterations` (`row_update_arguments(step) -> (learning_rate, options)`). With a catch-up `window`
+    (`_math.catch_up`) the rows read are caught up and the window advanced."""
     count = iterations.value
     options = dict(
-        lazy=lazy, accumulate_duplicates=accumulate_duplicates, max_touched_rows=None, owner=owner
+        lazy=lazy or window is not None,
+        accumulate_duplicates=accumulate_duplicates,
+        max_touched_rows=None,
+        owner=owner,
     )
     checked = not torch.compiler.is_compiling()  # else the step count here is the trace's
 
@@ -226,29 +231,45 @@ def trained_lookup(
             _check_one_update_per_step(owner, count)
         flat_ids = ids.reshape(-1).long()
         values = row_gradients.reshape((flat_ids.shape[0],) + tuple(state[0].shape[1:]))
+        learning_rate, row_options = row_update_arguments(step)
+        if window is not None:
+            flat_ids, values = catch_up.with_swept_rows(
+                flat_ids, values, step, state[0].shape[0], row_options
+            )
+            new_window = catch_up.advanced_window(window.value, learning_rate, step, row_options)
         # Checked where `to_dense` reads the ids (the lazy path's index ops check them themselves).
         gradient = torch.sparse_coo_tensor(
-            flat_ids[None], values, tuple(state[0].shape), check_invariants=not lazy
+            flat_ids[None], values, tuple(state[0].shape), check_invariants=not options["lazy"]
         )
-        update_rows = adam_math.RowUpdate(*row_update_arguments(step))
+        update_rows = adam_math.RowUpdate(
+            learning_rate, row_options, catch_up=None if window is None else (step, window.value)
+        )
         embedding_adam_step(gradient, state[0], state[1:], update_rows, **options)
+        if window is not None:
+            window.assign(new_window)
 
-    return _TrainedLookup.apply(ids, count, state[0].value, update)
+    def read(ids, step):
+        if window is None:
+            return ops.take(state[0].value, ids, axis=0)
+        tables = tuple(t.value for t in state)
+        return catch_up.read_rows(tables, ids, step, window.value, row_update_arguments(step)[1])
+
+    return _TrainedLookup.apply(ids, count, state[0].value, update, read)
 
 
 class _TrainedLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ids, step, table, update):
+    def forward(ctx, ids, step, table, update, read):
         ctx.update = update
         ctx.save_for_backward(ids, step)
-        return ops.take(table, ids, axis=0)
+        return read(ids, step)
 
     @staticmethod
     def backward(ctx, row_gradients):
         ids, step = ctx.saved_tensors
         with torch.no_grad():
             ctx.update(ids, row_gradients, step)
-        return None, step + 1, None, None
+        return None, step + 1, None, None, None
 
 
 # Each trained layer's step count (the tensor and its in-place version) at its table's last update.

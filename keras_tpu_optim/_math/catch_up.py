@@ -1,0 +1,223 @@
+"""Ordinary (non-lazy) Adam at the cost of the rows looked up (docs/algorithms.md#ordinary-adam-at-the-cost-of-the-rows-looked-up).
+
+A row not looked up in a step takes Adam's step with a zero gradient: its moments decay and its
+weight keeps moving. Here a row's skipped steps are applied in closed form when it is next read,
+from `row_steps` (the step each row is current at) and a window of sums shared by every row:
+
+    w <- E(d) w - m / (sqrt(v) + eps) * sum_n z^n C_n(d),   m <- beta_1^d m,   v <- beta_2^d v
+
+for a row `d` steps behind, `z = eps / (sqrt(v) + eps)` (`eps^2 / (v + eps^2)` and `1 / sqrt(v + eps^2)`
+with `sum_inside_sqrt`). `E(d)` is the weight decay of the last `d` steps and `C_n(d)` the sum over
+them of the series' `n`-th coefficient; both follow from one step to the next by a shift and a
+multiply-add. Rows are swept in turn so that none falls more than the window behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+from keras import ops
+
+from keras_tpu_optim._math import (
+    embedding_adam as adam_math,
+)  # (imports this module: used at call time)
+
+# Largest number of series terms tried, and the error allowed to the truncated series, relative to the sum.
+_MAX_TERMS = 10
+_SERIES_TOLERANCE = 2.0**-26
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The static part of the catch-up: the window (rows are never more than `window` steps behind), the
+    number of series terms, and float32 constants: `increments[n, d]` (row 0: zeros; row `1 + n`: the
+    `n`-th term's factor of a step taken `d` steps after the row's) and `powers[i, d] = beta_i^d`.
+
+    The window holds `log E(d)` in row 0 and `C_n(d)` in row `1 + n`, for `d` from 0 to `window`."""
+
+    window: int
+    terms: int
+    increments: np.ndarray
+    powers: np.ndarray
+
+
+@functools.lru_cache(maxsize=None)
+def series(beta_1: float, beta_2: float, sum_inside_sqrt: bool):
+    """`(terms, coefficients, base, ratio)`: the fewest series terms that reach float32 accuracy for every
+    `v`, or None when no number up to `_MAX_TERMS` does (then every row is stepped every step).
+
+    A step `j` after the row's contributes `ratio^j / (1 + z (base^j - 1))` (`(...)^(-1/2)` inside the
+    root) of `m / (sqrt(v) + eps)`; the truncation error, weighted by `ratio^j`, is checked on a grid of `z`.
+    """
+    if beta_2 == 0.0:
+        return None
+    ratio = beta_1 / math.sqrt(beta_2)
+    base = 1.0 / beta_2 if sum_inside_sqrt else 1.0 / math.sqrt(beta_2)
+    power = -0.5 if sum_inside_sqrt else -1.0
+    coefficients = [1.0]
+    for n in range(1, _MAX_TERMS):
+        coefficients.append(coefficients[-1] * (power - n + 1) / n)
+    if ratio == 0.0:
+        return 1, tuple(coefficients[:1]), base, ratio
+    if ratio >= 1.0:
+        return None
+    j = np.arange(1, int(120 / -math.log(ratio)) + 2, dtype=np.float64)
+    weights = ratio**j
+    u = np.linspace(0.0, 1.0, 129)[:, None] * np.expm1(j * math.log(base))
+    exact = np.sum(weights * (1.0 + u) ** power, axis=1)
+    partial = np.zeros_like(u)
+    for n, c in enumerate(coefficients):
+        with np.errstate(over="ignore", invalid="ignore"):
+            partial = partial + c * u**n
+            error = np.sum(
+                weights * np.abs(np.nan_to_num(partial - (1.0 + u) ** power, nan=np.inf)), axis=1
+            )
+        if np.all(error <= _SERIES_TOLERANCE * exact):
+            return n + 1, tuple(coefficients[: n + 1]), base, ratio
+    return None
+
+
+def window_size(rows: int, row_size: int, terms: int) -> int:
+    """The window: a power of two balancing its per-step shift (`(terms + 1) * window` numbers) against the
+    rows swept per step (`rows / window`, three numbers per entry)."""
+    balance = math.sqrt(3.0 * rows * row_size / (terms + 1))
+    return int(min(1 << 16, max(64, 1 << max(0, math.ceil(math.log2(max(balance, 1.0)))))))
+
+
+@functools.lru_cache(maxsize=None)
+def plan(beta_1: float, beta_2: float, sum_inside_sqrt: bool, window: int) -> Plan:
+    found = series(beta_1, beta_2, sum_inside_sqrt)
+    terms, coefficients, base, ratio = found
+    d = np.arange(window + 1, dtype=np.float64)
+    increments = np.zeros((terms + 1, window + 1), np.float64)
+    if ratio > 0.0:
+        log_ratio = d[1:] * math.log(ratio)
+        grown = np.expm1(np.minimum(d[1:] * math.log(base), 700.0))
+        for n, c in enumerate(coefficients):
+            with np.errstate(divide="ignore", over="ignore"):
+                term = np.exp(np.maximum(log_ratio + n * np.log(grown), -800.0))
+            increments[1 + n, 1:] = c * np.where(log_ratio < -110.0, 0.0, term)
+    with np.errstate(divide="ignore"):
+        powers = np.stack([np.power(beta, d) for beta in (beta_1, beta_2)])
+    return Plan(window, terms, increments.astype(np.float32), powers.astype(np.float32))
+
+
+def options_plan(options) -> Plan:
+    return plan(options.beta_1, options.beta_2, options.sum_inside_sqrt, options.catch_up_window)
+
+
+def initial_window(plan_: Plan) -> np.ndarray:
+    """The window of a table whose rows are all current: `log E = 0`, `C = 0`."""
+    return np.zeros((plan_.terms + 1, plan_.window + 1), np.float32)
+
+
+def step_rate_and_decay(learning_rate, step, options):
+    """`(a, decay)` of step `step + 1`: its bias-corrected rate and its weight decay, as
+    `embedding_adam.row_update` takes them (`learning_rate` is uncorrected with per-row correction)."""
+    rate = ops.cast(learning_rate, "float32")
+    if options.bias_correction == "per_row":
+        rate = adam_math.bias_corrected_learning_rate(
+            rate, ops.cast(step, "float32") + 1.0, options.beta_1, options.beta_2
+        )
+    decay = options.weight_decay_factor
+    if decay is None:
+        return rate, None
+    if options.multiply_weight_decay_factor_by_learning_rate:
+        decay = decay * rate
+    return rate, ops.cast(decay, "float32")
+
+
+def advanced_window(window, learning_rate, step, options):
+    """The window after step `step + 1`: `log E(d) <- log E(d - 1) + log(1 - decay)`, `C_n(d) <-
+    (1 - decay) C_n(d - 1) + a c_n r^d (p^d - 1)^n`. The decay is kept as a sum of logarithms and
+    subtracted from the sums, as `row_update` subtracts it from a weight: a product of rounded
+    `1 - decay` factors would drift."""
+    plan_ = options_plan(options)
+    rate, decay = step_rate_and_decay(learning_rate, step, options)
+    logs, sums = window[:1, :-1], window[1:, :-1]
+    if decay is not None:
+        logs = logs + ops.log1p(-decay)
+        sums = sums - decay * sums
+    shifted = ops.concatenate(
+        [ops.zeros((plan_.terms + 1, 1)), ops.concatenate([logs, sums])], axis=1
+    )
+    return shifted + rate * ops.convert_to_tensor(plan_.increments)
+
+
+def _per_row(x, like):
+    return ops.reshape(x, (-1,) + (1,) * (len(like.shape) - 1))
+
+
+def caught_up(weight, momenta, velocities, row_steps, step, window, options):
+    """Float32 rows `(weight, momenta, velocities)` brought from their `row_steps` to `step` (at most the
+    window behind) by Adam's steps with a zero gradient; weight clipping is applied once, at the end."""
+    plan_ = options_plan(options)
+    behind = ops.cast(ops.cast(step, "float32") - ops.cast(row_steps, "float32"), "int32")
+    behind = ops.clip(behind, 0, plan_.window)
+    sums = ops.take(window, behind, axis=1)  # [terms + 1, rows]
+    powers = ops.take(ops.convert_to_tensor(plan_.powers), behind, axis=1)
+    epsilon = ops.cast(options.epsilon, "float32")
+    if options.sum_inside_sqrt:
+        total = velocities + epsilon * epsilon
+        scale = ops.rsqrt(total)
+        z = epsilon * epsilon / total
+    else:
+        scale = 1.0 / (ops.sqrt(velocities) + epsilon)
+        z = epsilon * scale
+    if len(z.shape) < len(weight.shape):
+        z, scale = _per_row(z, weight), _per_row(scale, weight)
+    moved = _per_row(sums[plan_.terms], weight)
+    for n in range(plan_.terms - 2, -1, -1):
+        moved = _per_row(sums[1 + n], weight) + z * moved
+    new_weight = _per_row(ops.exp(sums[0]), weight) * weight - momenta * scale * moved
+    new_weight = ops.where(_per_row(behind > 0, weight), new_weight, weight)
+    new_weight = adam_math.clip_between(
+        new_weight, options.clip_weight_min, options.clip_weight_max
+    )
+    return (
+        new_weight,
+        _per_row(powers[0], momenta) * momenta,
+        _per_row(powers[1], velocities) * velocities,
+    )
+
+
+def swept_rows(step, rows: int, options):
+    """The rows this step sweeps: a contiguous run, so that each of `rows` is swept every `window` steps."""
+    chunk = -(-rows // options.catch_up_window)
+    turns = -(-rows // chunk)
+    start = ops.mod(ops.cast(step, "int32"), turns) * chunk
+    start = ops.minimum(start, rows - chunk)
+    return start + ops.arange(chunk, dtype="int32")
+
+
+def read_rows(tables, ids, step, window, options):
+    """The weights at `ids` as ordinary Adam has them at `step`: `tables` is `(weight, momenta, velocities,
+    row_steps)`, the rows gathered (as `ops.take`) and caught up."""
+    weight, momenta, velocities, row_steps = (ops.take(t, ids, axis=0) for t in tables[:4])
+    shape = weight.shape
+
+    def flat(x):
+        return ops.reshape(x, (-1,) + tuple(x.shape[len(ids.shape) :]))
+
+    result = caught_up(
+        ops.cast(flat(weight), "float32"),
+        ops.cast(flat(momenta), "float32"),
+        ops.cast(flat(velocities), "float32"),
+        flat(row_steps),
+        step,
+        window,
+        options,
+    )[0]
+    return ops.cast(ops.reshape(result, shape), weight.dtype)
+
+
+def with_swept_rows(ids, values, step, num_rows: int, options):
+    """A lookup's `(ids, values)` (flat) with this step's swept rows first, with zero gradients: each takes
+    Adam's step with a zero gradient after catching up, as every row does in ordinary Adam (first, so that
+    a looked-up id's last occurrence is the lookup's)."""
+    swept = ops.cast(swept_rows(step, num_rows, options), ids.dtype)
+    zeros = ops.zeros((swept.shape[0],) + tuple(values.shape[1:]), values.dtype)
+    return ops.concatenate([swept, ids], axis=0), ops.concatenate([zeros, values], axis=0)
