@@ -21,9 +21,10 @@ import math
 import numpy as np
 from keras import ops
 
-from keras_tpu_optim._math import (
-    embedding_adam as adam_math,
-)  # (imports this module: used at call time)
+from keras_tpu_optim._math import sparse_rows
+
+# `embedding_adam` imports this module (read at call time).
+from keras_tpu_optim._math import embedding_adam as adam_math
 
 # Largest number of series terms tried, and the error allowed to the truncated series, relative to the sum.
 _MAX_TERMS = 10
@@ -153,7 +154,8 @@ def _per_row(x, like):
 
 def caught_up(weight, momenta, velocities, row_steps, step, window, options):
     """Float32 rows `(weight, momenta, velocities)` brought from their `row_steps` to `step` (at most the
-    window behind) by Adam's steps with a zero gradient; weight clipping is applied once, at the end."""
+    window behind) by Adam's steps with a zero gradient; weight clipping is applied once, at the end. A
+    current row (`E = 1`, `C = 0`) keeps its bits."""
     plan_ = options_plan(options)
     behind = ops.cast(ops.cast(step, "float32") - ops.cast(row_steps, "float32"), "int32")
     behind = ops.clip(behind, 0, plan_.window)
@@ -173,7 +175,6 @@ def caught_up(weight, momenta, velocities, row_steps, step, window, options):
     for n in range(plan_.terms - 2, -1, -1):
         moved = _per_row(sums[1 + n], weight) + z * moved
     new_weight = _per_row(ops.exp(sums[0]), weight) * weight - momenta * scale * moved
-    new_weight = ops.where(_per_row(behind > 0, weight), new_weight, weight)
     new_weight = adam_math.clip_between(
         new_weight, options.clip_weight_min, options.clip_weight_max
     )
@@ -214,10 +215,47 @@ def read_rows(tables, ids, step, window, options):
     return ops.cast(ops.reshape(result, shape), weight.dtype)
 
 
-def with_swept_rows(ids, values, step, num_rows: int, options):
-    """A lookup's `(ids, values)` (flat) with this step's swept rows first, with zero gradients: each takes
-    Adam's step with a zero gradient after catching up, as every row does in ordinary Adam (first, so that
-    a looked-up id's last occurrence is the lookup's)."""
-    swept = ops.cast(swept_rows(step, num_rows, options), ids.dtype)
-    zeros = ops.zeros((swept.shape[0],) + tuple(values.shape[1:]), values.dtype)
-    return ops.concatenate([swept, ids], axis=0), ops.concatenate([zeros, values], axis=0)
+def looked_up(tables, ids, step, window, options, *, gather, search=True):
+    """The forward pass of a training lookup: `(rows, residuals)`, the weights at `ids` as ordinary Adam has
+    them at `step`, and what `stepped_rows` takes.
+
+    The lookup's ids and this step's swept rows (first: a looked-up id keeps its gradient) are grouped, each
+    distinct row gathered (`gather(table, ids)`, the backend's) from `tables` (`(weight, momenta, velocities,
+    row_steps)`) and caught up once; the backward pass steps those rows.
+    """
+    flat = ops.reshape(ids, (-1,))
+    swept = ops.cast(swept_rows(step, tables[0].shape[0], options), flat.dtype)
+    every = ops.concatenate([swept, flat], axis=0)
+    group = sparse_rows.id_ranks(every, search)
+    distinct, slot = sparse_rows.distinct_ids(every, group)
+    weight, momenta, velocities, row_steps = (gather(t, distinct) for t in tables)
+    rows = caught_up(
+        *(ops.cast(x, "float32") for x in (weight, momenta, velocities)),
+        row_steps,
+        step,
+        window,
+        options,
+    )
+    found = ops.take(rows[0], group[swept.shape[0] :], axis=0)
+    found = ops.cast(ops.reshape(found, tuple(ids.shape) + tuple(weight.shape[1:])), weight.dtype)
+    return found, (distinct, group, slot, rows)
+
+
+def stepped_rows(residuals, row_gradients, learning_rate, step, options):
+    """The backward pass of `looked_up`: `(distinct, new rows)`, the distinct rows' `(weight, momenta,
+    velocities, row_steps)` after step `step + 1` (float32), for the backend to scatter. Duplicate ids'
+    gradients are summed; swept rows take a zero gradient."""
+    distinct, group, slot, rows = residuals
+    row_shape = tuple(rows[0].shape[1:])
+    values = ops.reshape(ops.cast(row_gradients, "float32"), (-1,) + row_shape)
+    zeros = ops.zeros((group.shape[0] - values.shape[0],) + row_shape, "float32")
+    sums = ops.segment_sum(
+        ops.concatenate([zeros, values], axis=0), group, num_segments=group.shape[0]
+    )
+    steps = ops.zeros((distinct.shape[0],), "float32") + ops.cast(step, "float32")
+    new = adam_math.row_update(
+        ops.take(sums, slot, axis=0), *rows, learning_rate, options, row_steps=steps
+    )
+    if options.bias_correction != "per_row":
+        new = new + (steps + 1.0,)
+    return distinct, new

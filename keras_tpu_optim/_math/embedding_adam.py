@@ -10,7 +10,6 @@ from typing import Any, Optional
 
 from keras import ops
 
-from keras_tpu_optim._math import catch_up as catch_up_math
 from keras_tpu_optim._math import options as options_math
 
 
@@ -44,8 +43,9 @@ class RowUpdateOptions:
     @property
     def adam_slot_names(self) -> tuple:
         """The slots `row_update` takes and returns after the weights, in order."""
-        per_row = self.bias_correction == "per_row" or self.catch_up_window
-        return ("momenta", "velocities") + (("row_steps",) if per_row else ())
+        return ("momenta", "velocities") + (
+            ("row_steps",) if self.bias_correction == "per_row" else ()
+        )
 
     @property
     def slot_names(self) -> tuple:
@@ -191,32 +191,20 @@ def mark_touched(gradient, window, number):
 
 
 def update_rows_in_float32(
-    grad,
-    weight,
-    momenta,
-    velocities,
-    *extra_slots,
-    learning_rate,
-    options,
-    ema_step=None,
-    catch_up=None,
+    grad, weight, momenta, velocities, *extra_slots, learning_rate, options, ema_step=None
 ):
     """`row_update` on rows of any dtype, in float32, and the lazy EMA's (`ema_step`): the slots are
-    `options.slot_names`'. With `catch_up=(step, window)` the rows are first caught up to `step`
-    (`_math.catch_up`) and leave current at `step + 1`."""
+    `options.slot_names`'."""
     adam_extra = extra_slots[: len(options.adam_slot_names) - 2]
-    rows = tuple(ops.cast(x, "float32") for x in (weight, momenta, velocities))
-    if catch_up is not None:
-        step, window = catch_up
-        rows = catch_up_math.caught_up(*rows, adam_extra[0], step, window, options)
-        steps = ops.cast(ops.broadcast_to(step, adam_extra[0].shape), "float32")
-        new_values = row_update(ops.cast(grad, "float32"), *rows, learning_rate, options, steps)
-        if options.bias_correction != "per_row":
-            new_values = new_values + (steps + 1.0,)
-    else:
-        new_values = row_update(
-            ops.cast(grad, "float32"), *rows, learning_rate, options, *adam_extra
-        )
+    new_values = row_update(
+        ops.cast(grad, "float32"),
+        ops.cast(weight, "float32"),
+        ops.cast(momenta, "float32"),
+        ops.cast(velocities, "float32"),
+        learning_rate,
+        options,
+        *adam_extra,
+    )
     old = (weight, momenta, velocities, *adam_extra)
     new_values = tuple(ops.cast(new, before.dtype) for new, before in zip(new_values, old))
     if options.ema_momentum is None:
@@ -241,7 +229,6 @@ class RowUpdate:
     learning_rate: Any
     options: RowUpdateOptions
     ema_step: Any = None
-    catch_up: Any = None
 
     def __call__(self, grad, weight, *slots):
         return update_rows_in_float32(grad, weight, *slots, **vars(self))

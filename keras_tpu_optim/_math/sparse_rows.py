@@ -57,6 +57,14 @@ def id_ranks(ids, search=True):
     return ops.scatter(ops.expand_dims(order, 1), ranks, (ops.shape(ids)[0],))
 
 
+def distinct_ids(ids, group):
+    """`(distinct, slot)` of ids numbered by `group` from 0 (static shapes): entry i of `distinct` is the id of
+    group `slot[i] = min(i, groups - 1)`, every group once, then the last one repeated."""
+    count = ops.shape(ids)[0]
+    slot = ops.minimum(ops.arange(count, dtype="int32"), ops.max(group))
+    return ops.take(ops.segment_max(ids, group, num_segments=count), slot, axis=0), slot
+
+
 def grouped_rows(ids, rows, accumulate_duplicates, group=None, search=True):
     """The distinct ids, each with the sum of its duplicates' rows or its last occurrence's.
 
@@ -69,9 +77,7 @@ def grouped_rows(ids, rows, accumulate_duplicates, group=None, search=True):
         return ids, rows
     if group is None:
         group = id_ranks(ids, search)
-    # Entry i carries group min(i, groups - 1): every group once, then the last one repeated.
-    slot = ops.minimum(ops.arange(count, dtype="int32"), ops.max(group))
-    distinct = ops.take(ops.segment_max(ids, group, num_segments=count), slot, axis=0)
+    distinct, slot = distinct_ids(ids, group)
     if accumulate_duplicates:
         # Summed in float32, the row update's precision, whatever the gradient's dtype.
         sums = ops.segment_sum(ops.cast(rows, "float32"), group, num_segments=count)

@@ -223,23 +223,28 @@ def trained_lookup(
         return catch_up.read_rows(tables, ids, step, window, options)
 
     def forward(ids, step, learning_rate, window, *tables):
-        residuals = (ids, step, learning_rate, window, tables)
-        return lookup(ids, step, learning_rate, window, *tables), residuals
+        if window is None:
+            caught_up = None
+            found = lookup(ids, step, learning_rate, window, *tables)
+        else:
+            found, caught_up = catch_up.looked_up(
+                tables, ids, step, window, options, gather=rows.gather
+            )
+        return found, (ids, step, learning_rate, window, tables, caught_up)
 
     def backward(residuals, row_gradients):
-        ids, step, learning_rate, window, tables = residuals
+        ids, step, learning_rate, window, tables, caught_up = residuals
+        if window is not None:
+            distinct, new_rows = catch_up.stepped_rows(
+                caught_up, row_gradients, learning_rate, step, options
+            )
+            new_tables = tuple(rows.scatter(t, distinct, r) for t, r in zip(tables, new_rows))
+            new_window = catch_up.advanced_window(window, learning_rate, step, options)
+            return (None, step + 1, None, new_window, *new_tables)
         flat_ids = ids.reshape(-1)
         values = row_gradients.reshape((flat_ids.shape[0],) + tuple(tables[0].shape[1:]))
-        new_window = None
-        if window is not None:
-            flat_ids, values = catch_up.with_swept_rows(
-                flat_ids, values, step, tables[0].shape[0], options
-            )
-            new_window = catch_up.advanced_window(window, learning_rate, step, options)
-        update_rows = adam_math.RowUpdate(
-            learning_rate, options, catch_up=None if window is None else (step, window)
-        )
-        if lazy or window is not None:
+        update_rows = adam_math.RowUpdate(learning_rate, options)
+        if lazy:
             new_tables = rows.sparse_row_update(
                 update_rows, flat_ids, values, tables, accumulate_duplicates=accumulate_duplicates
             )
@@ -249,7 +254,7 @@ def trained_lookup(
             )
             new_tables = update_rows(gradient, *tables)
         new_tables = (new.astype(t.dtype) for new, t in zip(new_tables, tables))
-        return (None, step + 1, None, new_window, *new_tables)
+        return (None, step + 1, None, None, *new_tables)
 
     lookup.defvjp(forward, backward)
     return lookup(

@@ -76,8 +76,8 @@ def lazy_row_update(update_rows, gradient, tables, *, capacity):
     def update_round(state):
         done, left, tables = state
         ids = first_set_bits(left, capacity, num_rows)  # padded with ids past the table
-        new_rows = update_rows(_gather(gradient, ids), *(_gather(t, ids) for t in tables))
-        tables = tuple(_scatter(t, ids, r) for t, r in zip(tables, new_rows))
+        new_rows = update_rows(gather(gradient, ids), *(gather(t, ids) for t in tables))
+        tables = tuple(scatter(t, ids, r) for t, r in zip(tables, new_rows))
         return done + capacity, clear_through(left, ids[capacity - 1]), tables
 
     def rows_left(state):
@@ -102,12 +102,12 @@ def row_entries(gradient):
     return gradient.indices[:, 0], gradient.data
 
 
-def _gather(table, ids):
+def gather(table, ids):
     # Ids past the end (padding) clip to the last row (cheaper than a fill); scatters drop them.
     return table.at[ids].get(mode="clip")
 
 
-def _scatter(table, ids, rows):
+def scatter(table, ids, rows):
     return table.at[ids].set(rows.astype(table.dtype), mode="drop")
 
 
@@ -119,6 +119,6 @@ def sparse_row_update(update_rows, ids, rows, tables, *, accumulate_duplicates):
         rows,
         tables,
         accumulate_duplicates=accumulate_duplicates,
-        gather=_gather,
-        scatter=_scatter,
+        gather=gather,
+        scatter=scatter,
     )

@@ -11,6 +11,7 @@ from keras import ops
 from keras_tpu_optim import _private
 from keras_tpu_optim._backend import neutral
 from keras_tpu_optim._backend.tensorflow import accumulation, rows
+from keras_tpu_optim._backend.tensorflow._compile import native_variable
 from keras_tpu_optim._backend.tensorflow.gradients import (
     checked_gradient,
     densify,
@@ -107,22 +108,11 @@ def trained_lookup(
             "keras.distribution."
         )
     step_before = tf.convert_to_tensor(iterations.value)
-    window_before = None if window is None else tf.convert_to_tensor(window.value)
-    if window is None:
-        looked_up = ops.take(state[0].value, ids, axis=0)
-    else:
-        looked_up = catch_up.read_rows(
-            tuple(t.value for t in state),
-            ids,
-            step_before,
-            window_before,
-            row_update_arguments(step_before)[1],
-        )
+    if window is not None:
+        return _caught_up_lookup(ids, state, step_before, row_update_arguments, window)
+    looked_up = ops.take(state[0].value, ids, axis=0)
     options = dict(
-        lazy=lazy or window is not None,
-        accumulate_duplicates=accumulate_duplicates,
-        max_touched_rows=None,
-        owner=owner,
+        lazy=lazy, accumulate_duplicates=accumulate_duplicates, max_touched_rows=None, owner=owner
     )
 
     @tf.custom_gradient
@@ -134,16 +124,7 @@ def trained_lookup(
             values = tf.reshape(
                 row_gradients, tf.concat([tf.shape(flat_ids, shape.dtype), shape[1:]], 0)
             )
-            learning_rate, row_options = row_update_arguments(step)
-            if window is not None:
-                flat_ids, values = catch_up.with_swept_rows(
-                    flat_ids, values, step, state[0].shape[0], row_options
-                )
-            update_rows = adam_math.RowUpdate(
-                learning_rate,
-                row_options,
-                catch_up=None if window is None else (step, window_before),
-            )
+            update_rows = adam_math.RowUpdate(*row_update_arguments(step))
             embedding_adam_step(
                 tf.IndexedSlices(values, flat_ids, shape),
                 state[0],
@@ -151,15 +132,43 @@ def trained_lookup(
                 update_rows,
                 **options,
             )
-            if window is not None:
-                window.assign(
-                    catch_up.advanced_window(window_before, learning_rate, step, row_options)
-                )
             return None, step + 1
 
         return tf.identity(looked_up), gradient
 
     return hooked(looked_up, step_before)
+
+
+def _caught_up_lookup(ids, state, step, row_update_arguments, window):
+    """`trained_lookup` with a catch-up `window` (`_math.catch_up`): the rows read are caught up in the forward
+    pass; the backward pass steps them, scatters them and advances the window."""
+    learning_rate, options = row_update_arguments(step)
+    window_before = tf.convert_to_tensor(window.value)
+    targets = [native_variable(t) for t in state]
+    found, caught_up = catch_up.looked_up(
+        tuple(t.value for t in state),
+        ids,
+        step,
+        window_before,
+        options,
+        gather=tf.gather,
+        search=False,
+    )
+
+    @tf.custom_gradient
+    def hooked(found, step):
+        def gradient(row_gradients):
+            distinct, new_rows = catch_up.stepped_rows(
+                caught_up, row_gradients, learning_rate, step, options
+            )
+            for target, new in zip(targets, new_rows):
+                target.scatter_update(tf.IndexedSlices(tf.cast(new, target.dtype), distinct))
+            window.assign(catch_up.advanced_window(window_before, learning_rate, step, options))
+            return None, step + 1
+
+        return tf.identity(found), gradient
+
+    return hooked(found, step)
 
 
 def lookup_trace(iterations):

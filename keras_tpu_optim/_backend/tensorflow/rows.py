@@ -99,7 +99,6 @@ def compiled_lazy_row_update(
         tf.convert_to_tensor(update_rows.learning_rate),
         targets,
         None if ema_step is None else tf.convert_to_tensor(ema_step),
-        update_rows.catch_up,
         {name: tf.constant(value, tf.float32) for name, value in option_values.items()},
     )
 
@@ -118,9 +117,9 @@ def _checked_indices(indices, num_rows, variable):
 
 
 def _compilable_update(structure, accumulate_duplicates):
-    def update(indices, group, values, learning_rate, targets, ema_step, catch_up, option_values):
+    def update(indices, group, values, learning_rate, targets, ema_step, option_values):
         options = adam_math.joined_options(structure, option_values)
-        update_rows = adam_math.RowUpdate(learning_rate, options, ema_step, catch_up)
+        update_rows = adam_math.RowUpdate(learning_rate, options, ema_step)
         sparse_row_update(update_rows, indices, values, targets, accumulate_duplicates, group)
 
     return update

@@ -219,42 +219,46 @@ def trained_lookup(
     (`_math.catch_up`) the rows read are caught up and the window advanced."""
     count = iterations.value
     options = dict(
-        lazy=lazy or window is not None,
-        accumulate_duplicates=accumulate_duplicates,
-        max_touched_rows=None,
-        owner=owner,
+        lazy=lazy, accumulate_duplicates=accumulate_duplicates, max_touched_rows=None, owner=owner
     )
     checked = not torch.compiler.is_compiling()  # else the step count here is the trace's
+    caught_up = {}  # With a catch-up `window` (`_math.catch_up`): the forward pass's rows.
 
     def update(ids, row_gradients, step):
         if checked:
             _check_one_update_per_step(owner, count)
-        flat_ids = ids.reshape(-1).long()
-        values = row_gradients.reshape((flat_ids.shape[0],) + tuple(state[0].shape[1:]))
         learning_rate, row_options = row_update_arguments(step)
         if window is not None:
-            flat_ids, values = catch_up.with_swept_rows(
-                flat_ids, values, step, state[0].shape[0], row_options
+            distinct, new_rows = catch_up.stepped_rows(
+                caught_up.pop("rows"), row_gradients, learning_rate, step, row_options
             )
-            new_window = catch_up.advanced_window(window.value, learning_rate, step, row_options)
+            for target, new in zip(state, new_rows):
+                target.value.index_copy_(0, distinct.long(), new.to(target.value.dtype))
+            window.assign(catch_up.advanced_window(window.value, learning_rate, step, row_options))
+            return
+        flat_ids = ids.reshape(-1).long()
+        values = row_gradients.reshape((flat_ids.shape[0],) + tuple(state[0].shape[1:]))
         # Checked where `to_dense` reads the ids (the lazy path's index ops check them themselves).
         gradient = torch.sparse_coo_tensor(
-            flat_ids[None], values, tuple(state[0].shape), check_invariants=not options["lazy"]
+            flat_ids[None], values, tuple(state[0].shape), check_invariants=not lazy
         )
-        update_rows = adam_math.RowUpdate(
-            learning_rate, row_options, catch_up=None if window is None else (step, window.value)
-        )
+        update_rows = adam_math.RowUpdate(learning_rate, row_options)
         embedding_adam_step(gradient, state[0], state[1:], update_rows, **options)
-        if window is not None:
-            window.assign(new_window)
 
     def read(ids, step):
         if window is None:
             return ops.take(state[0].value, ids, axis=0)
         tables = tuple(t.value for t in state)
-        return catch_up.read_rows(tables, ids, step, window.value, row_update_arguments(step)[1])
+        found, caught_up["rows"] = catch_up.looked_up(
+            tables, ids, step, window.value, row_update_arguments(step)[1], gather=_take_rows
+        )
+        return found
 
     return _TrainedLookup.apply(ids, count, state[0].value, update, read)
+
+
+def _take_rows(table, ids):
+    return table.index_select(0, ids.long())
 
 
 class _TrainedLookup(torch.autograd.Function):
