@@ -38,7 +38,8 @@ CASES = {
             "multiply_weight_decay_factor_by_learning_rate": True,
         },
     ),
-    "decay_factor_rowwise_per_row_weight_clips": dict(
+    # And a callback's assignment to the rate between steps: every later skipped step takes the new rate.
+    "decay_factor_rowwise_per_row_weight_clips_rate_assigned": dict(
         options={
             "weight_decay_factor": 0.001,
             "second_moment": "rowwise",
@@ -47,9 +48,8 @@ CASES = {
             "clip_weight_max": 10.0,
         },
         learning_rate=0.02,
+        halve_at=150,
     ),
-    # A callback's assignment to the rate between steps: every later skipped step takes the new rate.
-    "rate_assigned_from_outside": dict(options={}, learning_rate=0.02, halve_at=150),
 }
 
 
