@@ -11,7 +11,11 @@ from keras import ops
 from keras_tpu_optim import _private
 from keras_tpu_optim._backend import neutral
 from keras_tpu_optim._backend.tensorflow import accumulation, rows
-from keras_tpu_optim._backend.tensorflow._compile import native_variable
+from keras_tpu_optim._backend.tensorflow._compile import (
+    compiled_function,
+    compiling_helps,
+    native_variable,
+)
 from keras_tpu_optim._backend.tensorflow.gradients import (
     checked_gradient,
     densify,
@@ -109,7 +113,7 @@ def trained_lookup(
         )
     step_before = tf.convert_to_tensor(iterations.value)
     if window is not None:
-        return _caught_up_lookup(ids, state, step_before, row_update_arguments, window)
+        return _caught_up_lookup(ids, state, step_before, row_update_arguments, window, owner)
     looked_up = ops.take(state[0].value, ids, axis=0)
     options = dict(
         lazy=lazy, accumulate_duplicates=accumulate_duplicates, max_touched_rows=None, owner=owner
@@ -139,27 +143,38 @@ def trained_lookup(
     return hooked(looked_up, step_before)
 
 
-def _caught_up_lookup(ids, state, step, row_update_arguments, window):
+def _caught_up_lookup(ids, state, step, row_update_arguments, window, owner):
     """`trained_lookup` with a catch-up `window` (`_math.catch_up`): the rows read are caught up in the forward
-    pass; the backward pass steps them, scatters them and advances the window."""
+    pass; the backward pass steps them, scatters them and advances the window. Outside XLA each pass is one
+    XLA computation (as the lazy row update is: op by op, every catch-up term is a kernel), the ids checked
+    first (XLA would clip them)."""
     learning_rate, options = row_update_arguments(step)
     window_before = tf.convert_to_tensor(window.value)
     targets = [native_variable(t) for t in state]
-    found, caught_up = catch_up.looked_up(
-        tuple(t.value for t in state),
-        ids,
-        step,
-        window_before,
-        options,
-        gather=tf.gather,
-        search=False,
-    )
+    compiling = compiling_helps()
+    if compiling:
+        ids = rows.checked_indices(ids, tf.shape(targets[0], out_type=ids.dtype)[0], state[0])
+
+    def compiled(name, function):
+        if not compiling:
+            return function
+        return compiled_function(owner, (name, options), lambda: function)
+
+    def forward(targets, ids, step, window):
+        return catch_up.looked_up(
+            targets, ids, step, window, options, gather=tf.gather, search=False
+        )
+
+    def backward(caught_up, row_gradients, learning_rate, step):
+        return catch_up.stepped_rows(caught_up, row_gradients, learning_rate, step, options)
+
+    found, caught_up = compiled("catch_up_lookup", forward)(targets, ids, step, window_before)
 
     @tf.custom_gradient
     def hooked(found, step):
         def gradient(row_gradients):
-            distinct, new_rows = catch_up.stepped_rows(
-                caught_up, row_gradients, learning_rate, step, options
+            distinct, new_rows = compiled("catch_up_step", backward)(
+                caught_up, row_gradients, learning_rate, step
             )
             for target, new in zip(targets, new_rows):
                 target.scatter_update(tf.IndexedSlices(tf.cast(new, target.dtype), distinct))

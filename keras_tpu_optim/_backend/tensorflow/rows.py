@@ -86,7 +86,7 @@ def compiled_lazy_row_update(
     )
     targets = [native_variable(variable)] + [native_variable(s) for s in slots]
     indices, values = sparse_entries(gradient)
-    indices = _checked_indices(indices, tf.shape(targets[0], out_type=indices.dtype)[0], variable)
+    indices = checked_indices(indices, tf.shape(targets[0], out_type=indices.dtype)[0], variable)
     if tf.executing_eagerly():
         indices, values = sparse_rows.padded(indices, values)
     # The ids numbered by TF's hash, outside XLA: a fraction of the cost of XLA's sort.
@@ -103,7 +103,7 @@ def compiled_lazy_row_update(
     )
 
 
-def _checked_indices(indices, num_rows, variable):
+def checked_indices(indices, num_rows, variable):
     """`indices`, checked to name rows of the table: XLA would clip or drop an out-of-range one silently."""
     name = getattr(variable, "path", None) or getattr(variable, "name", "the table")
     message = f"EmbeddingAdam: the gradient of {name} has row indices outside [0, number of rows)"
