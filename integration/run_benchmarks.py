@@ -541,7 +541,8 @@ def _recommender_section(results):
         "",
         "`integration/bench_recommender.py`: ids of shape (1024, 4), a 64-wide table, mean-pooled, a Dense head; the "
         "model compiled with Keras's Adam; `train_on_batch`, median ms a step; each configuration in its own process. "
-        "`layer`: `kto.layers.Embedding(optimizer=kto.EmbeddingAdam(0.01))`; `keras_adam`: `keras.layers.Embedding` "
+        "`layer`: `kto.layers.Embedding(optimizer=kto.EmbeddingAdam(0.01))`; `layer_not_lazy`: the same with "
+        "`lazy_adam=False` (ordinary Adam, skipped steps caught up in closed form); `keras_adam`: `keras.layers.Embedding` "
         "trained by Keras's Adam; `dense_path`: `keras.layers.Embedding` trained by `kto.EmbeddingAdam` as the model's "
         "optimizer. Steps' peak: the process's peak RSS over all the steps (the first, compiling, included) beyond "
         "what they keep (the model optimizer's variables), in MB and as a multiple of the table's bytes. Creation "

@@ -202,6 +202,8 @@ def test_bench_recommender_quick(tmp_path, capsys):
     assert measured == {
         ("layer", 1000),
         ("layer", 10_000),
+        ("layer_not_lazy", 1000),
+        ("layer_not_lazy", 10_000),
         ("keras_adam", 1000),
         ("dense_path", 1000),
     }
