@@ -215,18 +215,19 @@ def read_rows(tables, ids, step, window, options):
     return ops.cast(ops.reshape(result, shape), weight.dtype)
 
 
-def looked_up(tables, ids, step, window, options, *, gather, search=True):
+def looked_up(tables, ids, step, window, options, *, gather, search=True, rank=None):
     """The forward pass of a training lookup: `(rows, residuals)`, the weights at `ids` as ordinary Adam has
     them at `step`, and what `stepped_rows` takes.
 
     The lookup's ids and this step's swept rows (first: a looked-up id keeps its gradient) are grouped, each
     distinct row gathered (`gather(table, ids)`, the backend's) from `tables` (`(weight, momenta, velocities,
-    row_steps)`) and caught up once; the backward pass steps those rows.
+    row_steps)`) and caught up once; the backward pass steps those rows. `rank(ids)` numbers the ids from 0
+    in order, as `sparse_rows.id_ranks(ids, search)` does (the default).
     """
     flat = ops.reshape(ids, (-1,))
     swept = ops.cast(swept_rows(step, tables[0].shape[0], options), flat.dtype)
     every = ops.concatenate([swept, flat], axis=0)
-    group = sparse_rows.id_ranks(every, search)
+    group = sparse_rows.id_ranks(every, search) if rank is None else rank(every)
     distinct, slot = sparse_rows.distinct_ids(every, group)
     weight, momenta, velocities, row_steps = (gather(t, distinct) for t in tables)
     rows = caught_up(
@@ -241,17 +242,17 @@ def looked_up(tables, ids, step, window, options, *, gather, search=True):
     return found, (distinct, group, slot, rows)
 
 
-def stepped_rows(residuals, row_gradients, learning_rate, step, options):
+def stepped_rows(
+    residuals, row_gradients, learning_rate, step, options, *, segment_sum=ops.segment_sum
+):
     """The backward pass of `looked_up`: `(distinct, new rows)`, the distinct rows' `(weight, momenta,
     velocities, row_steps)` after step `step + 1` (float32), for the backend to scatter. Duplicate ids'
-    gradients are summed; swept rows take a zero gradient."""
+    gradients are summed (`segment_sum`, as `ops.segment_sum`); swept rows take a zero gradient."""
     distinct, group, slot, rows = residuals
     row_shape = tuple(rows[0].shape[1:])
     values = ops.reshape(ops.cast(row_gradients, "float32"), (-1,) + row_shape)
     zeros = ops.zeros((group.shape[0] - values.shape[0],) + row_shape, "float32")
-    sums = ops.segment_sum(
-        ops.concatenate([zeros, values], axis=0), group, num_segments=group.shape[0]
-    )
+    sums = segment_sum(ops.concatenate([zeros, values], axis=0), group, num_segments=group.shape[0])
     steps = ops.zeros((distinct.shape[0],), "float32") + ops.cast(step, "float32")
     new = adam_math.row_update(
         ops.take(sums, slot, axis=0), *rows, learning_rate, options, row_steps=steps

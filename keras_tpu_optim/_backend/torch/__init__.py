@@ -230,7 +230,12 @@ def trained_lookup(
         learning_rate, row_options = row_update_arguments(step)
         if window is not None:
             distinct, new_rows = catch_up.stepped_rows(
-                caught_up.pop("rows"), row_gradients, learning_rate, step, row_options
+                caught_up.pop("rows"),
+                row_gradients,
+                learning_rate,
+                step,
+                row_options,
+                segment_sum=_sum_rows,
             )
             for target, new in zip(state, new_rows):
                 target.value.index_copy_(0, distinct.long(), new.to(target.value.dtype))
@@ -250,7 +255,13 @@ def trained_lookup(
             return ops.take(state[0].value, ids, axis=0)
         tables = tuple(t.value for t in state)
         found, caught_up["rows"] = catch_up.looked_up(
-            tables, ids, step, window.value, row_update_arguments(step)[1], gather=_take_rows
+            tables,
+            ids,
+            step,
+            window.value,
+            row_update_arguments(step)[1],
+            gather=_take_rows,
+            rank=_ranks,
         )
         return found
 
@@ -259,6 +270,16 @@ def trained_lookup(
 
 def _take_rows(table, ids):
     return table.index_select(0, ids.long())
+
+
+# The catch-up's grouping of ids, by torch's own kernels (Keras's segment ops replicate the ids to the
+# rows' shape and scatter through a reduction).
+def _ranks(ids):
+    return torch.unique(ids, return_inverse=True)[1]
+
+
+def _sum_rows(data, segment_ids, num_segments):
+    return data.new_zeros((num_segments,) + tuple(data.shape[1:])).index_add_(0, segment_ids, data)
 
 
 class _TrainedLookup(torch.autograd.Function):
