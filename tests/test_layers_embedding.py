@@ -334,8 +334,8 @@ def test_public_names_beyond_keras_embedding_are_documented():
 @pytest.mark.skipif(BACKEND == "torch", reason="torch runs eagerly: no compiler to insert copies")
 @pytest.mark.parametrize(
     "options",
-    [{}, {"bias_correction": "per_row", "second_moment": "rowwise"}],
-    ids=["full", "row_slots"],
+    [{}, {"bias_correction": "per_row", "second_moment": "rowwise"}, {"lazy_adam": False}],
+    ids=["full", "row_slots", "not_lazy"],
 )
 def test_compiled_train_step_copies_no_table_or_slot(options):
     """Keras's compiled train step (JAX: `jax.jit(model.train_step, donate_argnums=0)`, as `fit` runs it; TF: the

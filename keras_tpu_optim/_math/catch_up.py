@@ -239,7 +239,7 @@ def looked_up(tables, ids, step, window, options, *, gather, search=True, rank=N
     )
     found = ops.take(rows[0], group[swept.shape[0] :], axis=0)
     found = ops.cast(ops.reshape(found, tuple(ids.shape) + tuple(weight.shape[1:])), weight.dtype)
-    return found, (distinct, group, slot, rows)
+    return found, (distinct, group, slot, rows + (row_steps,))
 
 
 def stepped_rows(
@@ -248,12 +248,14 @@ def stepped_rows(
     """The backward pass of `looked_up`: `(distinct, new rows)`, the distinct rows' `(weight, momenta,
     velocities, row_steps)` after step `step + 1` (float32), for the backend to scatter. Duplicate ids'
     gradients are summed (`segment_sum`, as `ops.segment_sum`); swept rows take a zero gradient."""
-    distinct, group, slot, rows = residuals
+    distinct, group, slot, (*rows, row_steps) = residuals
     row_shape = tuple(rows[0].shape[1:])
     values = ops.reshape(ops.cast(row_gradients, "float32"), (-1,) + row_shape)
     zeros = ops.zeros((group.shape[0] - values.shape[0],) + row_shape, "float32")
     sums = segment_sum(ops.concatenate([zeros, values], axis=0), group, num_segments=group.shape[0])
-    steps = ops.zeros((distinct.shape[0],), "float32") + ops.cast(step, "float32")
+    # Every row is current at `step` now. Written from the gathered counts, not as a broadcast: XLA copies a
+    # whole slot to keep a gather's input when the scatter into it does not depend on the gather.
+    steps = ops.maximum(ops.cast(row_steps, "float32"), ops.cast(step, "float32"))
     new = adam_math.row_update(
         ops.take(sums, slot, axis=0), *rows, learning_rate, options, row_steps=steps
     )
