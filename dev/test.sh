@@ -41,15 +41,19 @@ if [ -n "$quick" ]; then
   cache="$repo/.test-cache/$key"
   find "$repo/.test-cache" -mindepth 1 -maxdepth 1 ! -name "$key" -exec rm -rf {} + 2>/dev/null || true
   if [ -d "$cache" ] && [ "$(du -sm "$cache" | cut -f1)" -gt 1024 ]; then rm -rf "$cache"; fi
-  mkdir -p "$cache/jax" "$cache/tf-xla"
+  mkdir -p "$cache/jax" "$cache/tf-xla" "$cache/inductor"
   JAX_COMPILATION_CACHE_DIR="$cache/jax"
+  TORCHINDUCTOR_CACHE_DIR="$cache/inductor"
   export TF_XLA_FLAGS="--tf_xla_persistent_cache_directory=$cache/tf-xla ${TF_XLA_FLAGS:-}"
 else
-  # The full tier (what CI runs) starts from nothing, every time.
-  JAX_COMPILATION_CACHE_DIR="$(mktemp -d)"
-  trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
+  # The full tier (what CI runs) starts from nothing, every time (torch's inductor too, whose cache
+  # otherwise lives in the system's temporary folder from one run to the next).
+  caches="$(mktemp -d)"
+  trap 'rm -rf "$caches"' EXIT
+  JAX_COMPILATION_CACHE_DIR="$caches/jax"
+  TORCHINDUCTOR_CACHE_DIR="$caches/inductor"
 fi
-export JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
+export TORCHINDUCTOR_CACHE_DIR JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 failed=()
 for backend in tensorflow jax torch; do
   echo "=== KERAS_BACKEND=$backend ==="

@@ -6,14 +6,12 @@ JOB.json: {"num_workers", "runs", "out"}; with num_workers=1 there is no TF_CONF
 the default strategy is used (the single-worker reference). Runs:
   {"op": "train", "name", "optimizer", "save_at", "save"}  fit save_at steps, model.save, fit the rest
   {"op": "resume", "name", "load", "resume_at"}            load_model under the strategy, fit the rest
-  {"op": "time", "name", "steps"}                           EmbeddingAdam step time, 100k-row table
 Writes OUT/<name>.npz (weights and optimizer state) and OUT/<name>.w<i>.json.
 """
 
 import json
 import os
 import sys
-import time
 import traceback
 
 import numpy as np
@@ -144,14 +142,10 @@ def train_function(model):
     return step
 
 
-def fit(model, ids, targets, step_times=None):
+def fit(model, ids, targets):
     step = train_function(model)
     for batch in batches(ids, targets):
-        start = time.perf_counter()
-        loss = step(batch)
-        float(strategy.experimental_local_results(loss)[0].numpy())  # wait for the step
-        if step_times is not None:
-            step_times.append(time.perf_counter() - start)
+        step(batch)
 
 
 def run(spec):
@@ -180,18 +174,6 @@ def run(spec):
         split = spec["resume_at"] * BATCH
         fit(model, ids[split:], targets[split:])
         dump(spec["name"], model, {"gradients": seen})
-    elif spec["op"] == "time":
-        steps, rows = spec["steps"], spec.get("rows", 100_000)
-        ids, targets = data(steps=steps, rows=rows, seed=1)
-        with strategy.scope():
-            model = make_model(rows=rows, dim=32)
-            model.compile(optimizer=kto.EmbeddingAdam(0.01), loss="mse")
-        spy_on_gradients(model.optimizer, seen)
-        times = []
-        fit(model, ids, targets, times)
-        steady = sorted(times[3:])  # past tracing
-        with open(os.path.join(job["out"], f"{spec['name']}.w{worker}.json"), "w") as f:
-            json.dump({"median_step_s": steady[len(steady) // 2], "gradients": seen}, f)
     else:
         raise ValueError(spec["op"])
 
