@@ -66,6 +66,9 @@ def _parameter_values(item) -> set:
 
 
 def pytest_collection_modifyitems(config, items):
+    # The tests that start other processes (the longest) first: pytest-xdist's workers then end a
+    # pass on short tests together, not one on a long test while the other has nothing left.
+    items.sort(key=lambda item: item.get_closest_marker("processes") is None)
     if not config.getoption("--each-value-once"):
         return
     # Cases in collection order; a case is kept if it runs a value no kept case of its test has run.
