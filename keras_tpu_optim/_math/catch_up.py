@@ -187,11 +187,15 @@ def caught_up(weight, momenta, velocities, row_steps, step, window, options):
 
 def swept_rows(step, rows: int, options):
     """The rows this step sweeps: a contiguous run, so that each of `rows` is swept every `window` steps."""
-    chunk = -(-rows // options.catch_up_window)
+    chunk = _swept_count(rows, options)
     turns = -(-rows // chunk)
     start = ops.mod(ops.cast(step, "int32"), turns) * chunk
     start = ops.minimum(start, rows - chunk)
     return start + ops.arange(chunk, dtype="int32")
+
+
+def _swept_count(rows: int, options) -> int:
+    return -(-rows // options.catch_up_window)
 
 
 def read_rows(tables, ids, step, window, options):
@@ -215,19 +219,26 @@ def read_rows(tables, ids, step, window, options):
     return ops.cast(ops.reshape(result, shape), weight.dtype)
 
 
-def looked_up(tables, ids, step, window, options, *, gather, search=True, rank=None):
+def read_ids(ids, step, rows: int, options):
+    """The ids a training lookup reads: this step's swept rows (first: a looked-up id keeps its gradient),
+    then the lookup's, flattened."""
+    flat = ops.reshape(ids, (-1,))
+    swept = ops.cast(swept_rows(step, rows, options), flat.dtype)
+    return ops.concatenate([swept, flat], axis=0)
+
+
+def looked_up(tables, ids, step, window, options, *, gather, group=None, search=True):
     """The forward pass of a training lookup: `(rows, residuals)`, the weights at `ids` as ordinary Adam has
     them at `step`, and what `stepped_rows` takes.
 
-    The lookup's ids and this step's swept rows (first: a looked-up id keeps its gradient) are grouped, each
-    distinct row gathered (`gather(table, ids)`, the backend's) from `tables` (`(weight, momenta, velocities,
-    row_steps)`) and caught up once; the backward pass steps those rows. `rank(ids)` numbers the ids from 0
-    in order, as `sparse_rows.id_ranks(ids, search)` does (the default).
+    The lookup's ids and this step's swept rows (`read_ids`) are grouped, each distinct row gathered
+    (`gather(table, ids)`, the backend's) from `tables` (`(weight, momenta, velocities, row_steps)`) and
+    caught up once; the backward pass steps those rows. `group` numbers `read_ids` from 0 where the backend
+    has done so (default: `sparse_rows.id_ranks(..., search)`).
     """
-    flat = ops.reshape(ids, (-1,))
-    swept = ops.cast(swept_rows(step, tables[0].shape[0], options), flat.dtype)
-    every = ops.concatenate([swept, flat], axis=0)
-    group = sparse_rows.id_ranks(every, search) if rank is None else rank(every)
+    every = read_ids(ids, step, tables[0].shape[0], options)
+    if group is None:
+        group = sparse_rows.id_ranks(every, search)
     distinct, slot = sparse_rows.distinct_ids(every, group)
     weight, momenta, velocities, row_steps = (gather(t, distinct) for t in tables)
     rows = caught_up(
@@ -237,7 +248,7 @@ def looked_up(tables, ids, step, window, options, *, gather, search=True, rank=N
         window,
         options,
     )
-    found = ops.take(rows[0], group[swept.shape[0] :], axis=0)
+    found = ops.take(rows[0], group[_swept_count(tables[0].shape[0], options) :], axis=0)
     found = ops.cast(ops.reshape(found, tuple(ids.shape) + tuple(weight.shape[1:])), weight.dtype)
     return found, (distinct, group, slot, rows + (row_steps,))
 

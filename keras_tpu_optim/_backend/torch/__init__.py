@@ -254,14 +254,16 @@ def trained_lookup(
         if window is None:
             return ops.take(state[0].value, ids, axis=0)
         tables = tuple(t.value for t in state)
+        options = row_update_arguments(step)[1]
+        every = catch_up.read_ids(ids, step, tables[0].shape[0], options)
         found, caught_up["rows"] = catch_up.looked_up(
             tables,
             ids,
             step,
             window.value,
-            row_update_arguments(step)[1],
+            options,
             gather=_take_rows,
-            rank=_ranks,
+            group=torch.unique(every, return_inverse=True)[1],
         )
         return found
 
@@ -272,12 +274,8 @@ def _take_rows(table, ids):
     return table.index_select(0, ids.long())
 
 
-# The catch-up's grouping of ids, by torch's own kernels (Keras's segment ops replicate the ids to the
-# rows' shape and scatter through a reduction).
-def _ranks(ids):
-    return torch.unique(ids, return_inverse=True)[1]
-
-
+# The catch-up's grouping of ids and sums of their gradients by torch's own kernels (Keras's segment ops
+# replicate the ids to the rows' shape and scatter through a reduction).
 def _sum_rows(data, segment_ids, num_segments):
     return data.new_zeros((num_segments,) + tuple(data.shape[1:])).index_add_(0, segment_ids, data)
 
