@@ -174,7 +174,9 @@ def caught_up(weight, momenta, velocities, row_steps, step, window, options):
     moved = _per_row(sums[plan_.terms], weight)
     for n in range(plan_.terms - 2, -1, -1):
         moved = _per_row(sums[1 + n], weight) + z * moved
-    new_weight = _per_row(ops.exp(sums[0]), weight) * weight - momenta * scale * moved
+    if options.weight_decay_factor is not None:  # else `E = 1`
+        weight = _per_row(ops.exp(sums[0]), weight) * weight
+    new_weight = weight - momenta * scale * moved
     new_weight = adam_math.clip_between(
         new_weight, options.clip_weight_min, options.clip_weight_max
     )
@@ -262,8 +264,9 @@ def stepped_rows(
     distinct, group, slot, (*rows, row_steps) = residuals
     row_shape = tuple(rows[0].shape[1:])
     values = ops.reshape(ops.cast(row_gradients, "float32"), (-1,) + row_shape)
-    zeros = ops.zeros((group.shape[0] - values.shape[0],) + row_shape, "float32")
-    sums = segment_sum(ops.concatenate([zeros, values], axis=0), group, num_segments=group.shape[0])
+    # The swept rows (the first entries of `group`) have no gradient: their sums stay zero.
+    swept = group.shape[0] - values.shape[0]
+    sums = segment_sum(values, group[swept:], num_segments=group.shape[0])
     # Every row is current at `step` now. Written from the gathered counts, not as a broadcast: XLA copies a
     # whole slot to keep a gather's input when the scatter into it does not depend on the gather.
     steps = ops.maximum(ops.cast(row_steps, "float32"), ops.cast(step, "float32"))
