@@ -146,8 +146,8 @@ def trained_lookup(
 def _caught_up_lookup(ids, state, step, row_update_arguments, window, owner):
     """`trained_lookup` with a catch-up `window` (`_math.catch_up`): the rows read are caught up in the forward
     pass; the backward pass steps them, scatters them and advances the window. Outside XLA each pass is one
-    XLA computation (as the lazy row update is: op by op, every catch-up term is a kernel), the ids checked
-    first (XLA would clip them)."""
+    XLA computation, the backward pass's writing the variables in it (as the lazy row update is: op by op,
+    every catch-up term is a kernel), the ids checked first (XLA would clip them)."""
     learning_rate, options = row_update_arguments(step)
     window_before = tf.convert_to_tensor(window.value)
     targets = [native_variable(t) for t in state]
@@ -165,8 +165,13 @@ def _caught_up_lookup(ids, state, step, row_update_arguments, window, owner):
             targets, ids, step, window, options, gather=tf.gather, group=group, search=False
         )
 
-    def backward(caught_up, row_gradients, learning_rate, step):
-        return catch_up.stepped_rows(caught_up, row_gradients, learning_rate, step, options)
+    def backward(targets, window, window_before, caught_up, row_gradients, learning_rate, step):
+        distinct, new_rows = catch_up.stepped_rows(
+            caught_up, row_gradients, learning_rate, step, options
+        )
+        for target, new in zip(targets, new_rows):
+            target.scatter_update(tf.IndexedSlices(tf.cast(new, target.dtype), distinct))
+        window.assign(catch_up.advanced_window(window_before, learning_rate, step, options))
 
     # Outside XLA the ids are grouped by `tf.unique` (XLA's CPU sort took twice as long); inside, by an argsort.
     group = None
@@ -180,12 +185,15 @@ def _caught_up_lookup(ids, state, step, row_update_arguments, window, owner):
     @tf.custom_gradient
     def hooked(found, step):
         def gradient(row_gradients):
-            distinct, new_rows = compiled("catch_up_step", backward)(
-                caught_up, row_gradients, learning_rate, step
+            compiled("catch_up_step", backward)(
+                targets,
+                native_variable(window),
+                window_before,
+                caught_up,
+                row_gradients,
+                learning_rate,
+                step,
             )
-            for target, new in zip(targets, new_rows):
-                target.scatter_update(tf.IndexedSlices(tf.cast(new, target.dtype), distinct))
-            window.assign(catch_up.advanced_window(window_before, learning_rate, step, options))
             return None, step + 1
 
         return tf.identity(found), gradient
