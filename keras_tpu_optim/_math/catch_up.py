@@ -229,18 +229,15 @@ def read_ids(ids, step, rows: int, options):
     return ops.concatenate([swept, flat], axis=0)
 
 
-def looked_up(tables, ids, step, window, options, *, gather, group=None, search=True):
+def looked_up(tables, ids, every, group, step, window, options, *, gather):
     """The forward pass of a training lookup: `(rows, residuals)`, the weights at `ids` as ordinary Adam has
     them at `step`, and what `stepped_rows` takes.
 
-    The lookup's ids and this step's swept rows (`read_ids`) are grouped, each distinct row gathered
+    `every` is `read_ids(ids, ...)`, the lookup's ids with this step's swept rows, and `group` numbers them
+    from 0 (`sparse_rows.id_ranks`, or the backend's own grouping). Each distinct row is gathered
     (`gather(table, ids)`, the backend's) from `tables` (`(weight, momenta, velocities, row_steps)`) and
-    caught up once; the backward pass steps those rows. `group` numbers `read_ids` from 0 where the backend
-    has done so (default: `sparse_rows.id_ranks(..., search)`).
+    caught up once; the backward pass steps those rows.
     """
-    every = read_ids(ids, step, tables[0].shape[0], options)
-    if group is None:
-        group = sparse_rows.id_ranks(every, search)
     distinct, slot = sparse_rows.distinct_ids(every, group)
     weight, momenta, velocities, row_steps = (gather(t, distinct) for t in tables)
     rows = caught_up(

@@ -227,9 +227,11 @@ def trained_lookup(
             caught_up = None
             found = lookup(ids, step, learning_rate, window, *tables)
         else:
+            every = catch_up.read_ids(ids, step, tables[0].shape[0], options)
             found, caught_up = catch_up.looked_up(
-                tables, ids, step, window, options, gather=rows.gather
-            )
+                tables, ids, every, sparse_rows.id_ranks(every), step, window, options,
+                gather=rows.gather,
+            )  # fmt: skip
         return found, (ids, step, learning_rate, window, tables, caught_up)
 
     def backward(residuals, row_gradients):

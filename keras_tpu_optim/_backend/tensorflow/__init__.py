@@ -24,6 +24,7 @@ from keras_tpu_optim._backend.tensorflow.gradients import (
 )
 from keras_tpu_optim._backend.tensorflow.adafactor import adafactor_evaluation, adafactor_step
 from keras_tpu_optim._math import catch_up
+from keras_tpu_optim._math import sparse_rows
 from keras_tpu_optim._math import embedding_adam as adam_math
 
 cond = neutral.cond
@@ -160,9 +161,11 @@ def _caught_up_lookup(ids, state, step, row_update_arguments, window, owner):
             return function
         return compiled_function(owner, (name, options), lambda: function)
 
-    def forward(targets, ids, step, window, group):
+    def forward(targets, ids, every, group, step, window):
+        if group is None:  # inside XLA
+            group = sparse_rows.id_ranks(every, search=False)
         return catch_up.looked_up(
-            targets, ids, step, window, options, gather=tf.gather, group=group, search=False
+            targets, ids, every, group, step, window, options, gather=tf.gather
         )
 
     def backward(targets, window, window_before, caught_up, row_gradients, learning_rate, step):
@@ -174,12 +177,10 @@ def _caught_up_lookup(ids, state, step, row_update_arguments, window, owner):
         window.assign(catch_up.advanced_window(window_before, learning_rate, step, options))
 
     # Outside XLA the ids are grouped by `tf.unique` (XLA's CPU sort took twice as long); inside, by an argsort.
-    group = None
-    if compiling:
-        every = catch_up.read_ids(ids, step, state[0].shape[0], options)
-        group = tf.unique(every, out_idx=tf.int32).idx
+    every = catch_up.read_ids(ids, step, state[0].shape[0], options)
+    group = tf.unique(every, out_idx=tf.int32).idx if compiling else None
     found, caught_up = compiled("catch_up_lookup", forward)(
-        targets, ids, step, window_before, group
+        targets, ids, every, group, step, window_before
     )
 
     @tf.custom_gradient

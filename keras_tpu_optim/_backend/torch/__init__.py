@@ -256,14 +256,9 @@ def trained_lookup(
         tables = tuple(t.value for t in state)
         options = row_update_arguments(step)[1]
         every = catch_up.read_ids(ids, step, tables[0].shape[0], options)
+        group = torch.unique(every, return_inverse=True)[1]
         found, caught_up["rows"] = catch_up.looked_up(
-            tables,
-            ids,
-            step,
-            window.value,
-            options,
-            gather=_take_rows,
-            group=torch.unique(every, return_inverse=True)[1],
+            tables, ids, every, group, step, window.value, options, gather=_take_rows
         )
         return found
 
@@ -274,8 +269,8 @@ def _take_rows(table, ids):
     return table.index_select(0, ids.long())
 
 
-# The catch-up's grouping of ids and sums of their gradients by torch's own kernels (Keras's segment ops
-# replicate the ids to the rows' shape and scatter through a reduction).
+# The catch-up's ids are grouped (`torch.unique`) and their gradients summed by torch's own kernels (Keras's
+# segment ops replicate the ids to the rows' shape and scatter through a reduction).
 def _sum_rows(data, segment_ids, num_segments):
     return data.new_zeros((num_segments,) + tuple(data.shape[1:])).index_add_(0, segment_ids, data)
 
