@@ -151,10 +151,10 @@ def test_exact_resume_in_a_fresh_process(tmp_path):
     BACKEND != "jax", reason="drives all three backends (subprocesses); runs once, under JAX"
 )
 def test_file_saved_on_one_backend_resumes_on_the_others(tmp_path):
-    """Each backend resumes the files of the other two; each run is compared with
-    the saving backend's own uninterrupted run. JAX (here) saves first; then a
-    TensorFlow and a torch process, side by side, each resume JAX's files, save
-    their own, and resume the other's once it is saved; JAX resumes both."""
+    """Each backend saves files that another resumes, and resumes another's, in a cycle: JAX (here)
+    saves first; a TensorFlow process resumes JAX's files and saves its own; a torch process, started
+    beside it, saves its own and resumes TensorFlow's once they are saved; JAX resumes torch's. Each
+    resumed run is compared with the saving backend's own uninterrupted run."""
     scenarios = {
         "adafactor": (
             "mlp",
@@ -214,17 +214,19 @@ def test_file_saved_on_one_backend_resumes_on_the_others(tmp_path):
 
     for name in scenarios:
         _resume_worker.run(train_save(name, "jax"))
-    workers = {}
-    for backend, other in (("tensorflow", "torch"), ("torch", "tensorflow")):
-        tasks = [t for n in scenarios for t in (resume(n, "jax", backend), train_save(n, backend))]
-        tasks += [resume(n, other, backend) for n in scenarios]
-        workers[backend] = _run_worker(backend, tasks, tmp_path, backend)
+    cycle = {"jax": "tensorflow", "tensorflow": "torch", "torch": "jax"}  # saver: resumer
+    tasks = {
+        "tensorflow": [resume(n, "jax", "tensorflow") for n in scenarios]
+        + [train_save(n, "tensorflow") for n in scenarios],
+        "torch": [train_save(n, "torch") for n in scenarios]
+        + [resume(n, "tensorflow", "torch") for n in scenarios],
+    }
+    workers = {b: _run_worker(b, t, tmp_path, b) for b, t in tasks.items()}
     try:
         for name in scenarios:
-            for source in ("tensorflow", "torch"):
-                _saved_by(workers[source], saved(name, source))
-                keras.backend.clear_session()
-                _resume_worker.run(resume(name, source, "jax"))
+            _saved_by(workers["torch"], saved(name, "torch"))
+            keras.backend.clear_session()
+            _resume_worker.run(resume(name, "torch", "jax"))
         for process in workers.values():
             _wait(process, timeout=600)
     finally:
@@ -232,16 +234,12 @@ def test_file_saved_on_one_backend_resumes_on_the_others(tmp_path):
             if process.poll() is None:
                 process.kill()
 
-    backends = ["jax", "tensorflow", "torch"]
     for name in scenarios:
-        for source in backends:
+        for source, target in cycle.items():
             want_weights, want_state = _load_result(tmp_path / f"{name}_{source}_reference.npz")
-            for target in backends:
-                if target == source:
-                    continue
-                got_weights, got_state = _load_result(tmp_path / f"{name}_{source}_on_{target}.npz")
-                assert len(got_state) == len(want_state)
-                for got, want in zip(got_weights + got_state, want_weights + want_state):
-                    np.testing.assert_allclose(
-                        got, want, rtol=1e-4, atol=1e-6, err_msg=f"{name} {source}->{target}"
-                    )
+            got_weights, got_state = _load_result(tmp_path / f"{name}_{source}_on_{target}.npz")
+            assert len(got_state) == len(want_state)
+            for got, want in zip(got_weights + got_state, want_weights + want_state):
+                np.testing.assert_allclose(
+                    got, want, rtol=1e-4, atol=1e-6, err_msg=f"{name} {source}->{target}"
+                )
