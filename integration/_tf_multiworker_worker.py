@@ -142,8 +142,7 @@ def train_function(model):
     return step
 
 
-def fit(model, ids, targets):
-    step = train_function(model)
+def fit(model, ids, targets, step):
     for batch in batches(ids, targets):
         step(batch)
 
@@ -156,11 +155,12 @@ def run(spec):
             model = make_model()
             model.compile(optimizer=OPTIMIZERS[spec["optimizer"]](), loss="mse")
         spy_on_gradients(model.optimizer, seen)
+        step = train_function(model)  # traced once, for both parts
         split = spec["save_at"] * BATCH
-        fit(model, ids[:split], targets[:split])
+        fit(model, ids[:split], targets[:split], step)
         if spec.get("save"):
             model.save(save_path(spec["save"]))
-        fit(model, ids[split:], targets[split:])
+        fit(model, ids[split:], targets[split:], step)
         dump(spec["name"], model, {"gradients": seen})
     elif spec["op"] == "resume":
         with strategy.scope():
@@ -172,7 +172,7 @@ def run(spec):
             counter.numpy(),
         )
         split = spec["resume_at"] * BATCH
-        fit(model, ids[split:], targets[split:])
+        fit(model, ids[split:], targets[split:], train_function(model))
         dump(spec["name"], model, {"gradients": seen})
     else:
         raise ValueError(spec["op"])
