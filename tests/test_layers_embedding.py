@@ -525,3 +525,27 @@ def test_model_optimizer_that_scales_or_accumulates_raises_naming_it(wrap, named
     )  # an unscaled optimizer trains on
     model.train_on_batch(ids[:BATCH], y[:BATCH])
     assert float(numpy_of(layer.iterations)) == 1
+
+
+def test_an_id_past_the_table_reads_alike_lazy_or_not():
+    """A training step that looks up an id past the table: what the lazy layer does with it (NaN rows on JAX,
+    as its `take`; an error on TF and torch), the caught-up lookup (`lazy_adam=False`) does too."""
+
+    def outcome(lazy_adam):
+        model = keras.Sequential(
+            [
+                keras.Input((), dtype="int32"),
+                kto.layers.Embedding(
+                    ROWS, DIM, optimizer=kto.EmbeddingAdam(0.1, lazy_adam=lazy_adam)
+                ),
+            ]
+        )
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        try:
+            loss = model.train_on_batch(np.array([1, ROWS], "int32"), np.zeros((2, DIM), "float32"))
+        except Exception as error:  # noqa: BLE001 - whichever error the backend's lookup raises
+            return type(error)
+        return "nan" if np.isnan(float(loss)) else round(float(loss), 5)
+
+    print(f"{BACKEND}: {outcome(True)}")
+    assert outcome(False) == outcome(True)

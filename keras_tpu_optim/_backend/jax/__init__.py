@@ -230,7 +230,7 @@ def trained_lookup(
             every = catch_up.read_ids(ids, step, tables[0].shape[0], options)
             found, caught_up = catch_up.looked_up(
                 tables, ids, every, sparse_rows.id_ranks(every), step, window, options,
-                gather=rows.gather,
+                gather=_filled_rows,
             )  # fmt: skip
         return found, (ids, step, learning_rate, window, tables, caught_up)
 
@@ -266,6 +266,11 @@ def trained_lookup(
         None if window is None else window.value,
         *(t.value for t in state),
     )
+
+
+def _filled_rows(table, ids):
+    # An id past the table reads as `ops.take` reads it (NaN), as the lazy lookup does; its update is dropped.
+    return table.at[ids].get(mode="fill")
 
 
 def lookup_trace(iterations):
