@@ -73,3 +73,18 @@ def test_many_tables_example_trains_each_table():
         rows = namespace["tables"][name].shape[0]
         momenta = keras.ops.convert_to_numpy(groups[group].momenta)[first : first + rows]
         assert set(np.flatnonzero(momenta.any(axis=1)).tolist()) == set(np.unique(ids).tolist())
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() == "torch", reason="torch has no TPU embedding engine to export to"
+)
+def test_many_tables_configs_move_to_keras_rs_with_exported_optimizers():
+    namespace = {}
+    text = README.read_text().split("## Many tables in one layer", 1)[1]
+    for block in re.findall(r"```python\n(.*?)```", text, re.S)[:2]:
+        exec(compile(block, "README.md", "exec"), namespace)
+    exported, features = namespace["exported"], namespace["tpu_features"]
+    assert features["history"].table is features["item"].table  # one shared table
+    assert features["city"].table.optimizer is exported["cities"]  # the override's own export
+    assert exported["users"] is exported["items"] is not exported["cities"]
+    assert features["history"].table.combiner == "mean"

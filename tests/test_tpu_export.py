@@ -519,3 +519,65 @@ def test_jax_spec_goes_through_jax_tpu_embeddings_gradient_step():
     equations = jax.make_jaxpr(gradient_step)(*arguments).jaxpr.eqns
     optimizer_steps = [e for e in equations if "optimizer_grad" in e.primitive.name]
     assert len(optimizer_steps) == 1 and optimizer_steps[0].params["num_hyperparameters"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# A DistributedEmbedding's tables
+
+
+def layer_of_three_tables():
+    """Tables "a" and "c" trained by the layer's optimizer, "b" by its own (another rate and options)."""
+    from keras_tpu_optim.layers import DistributedEmbedding, FeatureConfig, TableConfig
+
+    own = kto.EmbeddingAdam(exponential_decay(), beta_1=0.8, beta_2=0.99, clip_weight_max=0.5)
+    tables = [
+        TableConfig("a", 10, 4),
+        TableConfig("b", 20, 4, optimizer=own),
+        TableConfig("c", 30, 8),
+    ]
+    features = {t.name: FeatureConfig(t.name, t) for t in tables}
+    features["a2"] = FeatureConfig("a2", tables[0])  # a shared table: one export
+    layer = DistributedEmbedding(features, optimizer=kto.EmbeddingAdam(0.02, epsilon=1e-6))
+    return layer, {"a": (0.02, 0.9, 0.999), "b": (None, 0.8, 0.99), "c": (0.02, 0.9, 0.999)}
+
+
+def test_a_layers_tables_export_with_their_optimizers_rates():
+    """Each table's export carries its optimizer's numbers, its rate read at the step counter given (TF) or
+    passed by the engine (JAX); tables of one optimizer share one export."""
+    require_tpu_backend()
+    layer, expected = layer_of_three_tables()
+    counter = keras.Variable(0, dtype="int64", trainable=False, name="steps")
+    exported = to_tpu_embedding(
+        layer, **({"iterations": counter} if BACKEND == "tensorflow" else {})
+    )
+    assert list(exported) == ["a", "b", "c"]
+    assert exported["a"] is exported["c"] and exported["a"] is not exported["b"]
+    for step in range(4):
+        counter.assign(step)
+        for name, (rate, beta_1, beta_2) in expected.items():
+            base = 0.01 * 0.5 ** (step / 2) if rate is None else rate
+            want = ref.bias_corrected_learning_rate(base, step + 1, beta_1, beta_2)
+            if BACKEND == "tensorflow":
+                got = float(exported[name].learning_rate())
+            else:
+                got = float(exported[name].get_learning_rate(step))
+            np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=f"{name}, step {step}")
+    if BACKEND == "tensorflow":
+        assert optimization_parameters(exported["b"]).clipping_limits.upper.value == 0.5
+        assert exported["a"].epsilon == 1e-6
+    else:
+        assert exported["b"].custom_computation_fn.options.clip_weight_max == 0.5
+        assert exported["a"].custom_computation_fn.options.epsilon == 1e-6
+
+
+def test_a_layers_export_names_the_step_counter_where_needed():
+    layer, _ = layer_of_three_tables()
+    if BACKEND == "torch":
+        with pytest.raises(ValueError, match="no TPU embedding engine"):
+            to_tpu_embedding(layer)
+    elif BACKEND == "tensorflow":
+        with pytest.raises(ValueError, match="needs `iterations`"):
+            to_tpu_embedding(layer)
+    else:
+        with pytest.raises(ValueError, match="takes no `iterations`"):
+            to_tpu_embedding(layer, iterations=keras.Variable(0))

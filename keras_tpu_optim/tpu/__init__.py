@@ -18,8 +18,9 @@ from keras_tpu_optim.embedding_adam import EmbeddingAdam
 __all__ = ["to_tpu_embedding"]
 
 
-def to_tpu_embedding(optimizer: EmbeddingAdam) -> Any:
-    """Export an `EmbeddingAdam` to the TPU embedding engine of the Keras backend.
+def to_tpu_embedding(optimizer, *, iterations=None) -> Any:
+    """Export an `EmbeddingAdam`, or every table's of a `kto.layers.DistributedEmbedding`, to the TPU
+    embedding engine of the Keras backend.
 
     The TPU engines apply Adam without bias correction, so the exported learning rate is
     the bias-corrected `lr_t = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)`, with `lr` read
@@ -40,11 +41,21 @@ def to_tpu_embedding(optimizer: EmbeddingAdam) -> Any:
       that is a function of the engine's step count (the updates already applied, as
       `optimizer.iterations`).
 
+    A `kto.layers.DistributedEmbedding` exports each table's optimizer (its config's, else the layer's):
+    the same configs then run on TPU through keras-rs's layer, each keras-rs `TableConfig` given its
+    table's export. Tables with one optimizer share one export (the engine stacks them). On TPU nothing
+    steps those optimizers, so on TensorFlow `iterations` names the step counter the exported rates
+    read, the model's optimizer's `iterations`.
+
     Args:
-        optimizer: The `keras_tpu_optim.EmbeddingAdam` to export.
+        optimizer: The `keras_tpu_optim.EmbeddingAdam` to export, or a
+            `keras_tpu_optim.layers.DistributedEmbedding`.
+        iterations: TensorFlow only: the variable counting the updates applied, read by the exported
+            learning rate (default: the optimizer's own `iterations`; required for a layer). JAX's
+            engine passes its own step count, so there it must be None.
 
     Returns:
-        The TPU embedding optimizer of the active backend.
+        The TPU embedding optimizer of the active backend; for a layer, `{table name: optimizer}`.
 
     Raises:
         TypeError: If `optimizer` is not an `EmbeddingAdam` (for instance
@@ -57,6 +68,26 @@ def to_tpu_embedding(optimizer: EmbeddingAdam) -> Any:
             `use_gradient_accumulation=False`, `slot_variable_creation_fn`,
             `low_dimensional_packing_status=True`.
     """
+    from keras_tpu_optim.layers import DistributedEmbedding
+
+    if isinstance(optimizer, DistributedEmbedding):
+        layer = optimizer
+        if iterations is None and keras.backend.backend() == "tensorflow":
+            raise ValueError(
+                "`to_tpu_embedding` of a DistributedEmbedding on TensorFlow needs `iterations`: the step "
+                "counter its tables' learning rates read on TPU, where nothing steps the tables' own "
+                "optimizers (pass `iterations=model.optimizer.iterations`)."
+            )
+        exported = {}  # one export per optimizer, shared by its tables
+        names = dict.fromkeys(f.table.name for f in keras.tree.flatten(layer.feature_configs))
+        for name in names:
+            table_optimizer = layer.table_optimizer(name)
+            if id(table_optimizer) not in exported:
+                exported[id(table_optimizer)] = to_tpu_embedding(
+                    table_optimizer, iterations=iterations
+                )
+            names[name] = exported[id(table_optimizer)]
+        return names
     if not isinstance(optimizer, EmbeddingAdam):
         raise TypeError(
             "`to_tpu_embedding` exports a `keras_tpu_optim.EmbeddingAdam` to the TPU embedding "
@@ -71,4 +102,12 @@ def to_tpu_embedding(optimizer: EmbeddingAdam) -> Any:
             "supports KERAS_BACKEND='tensorflow' (TPUEmbedding) and KERAS_BACKEND='jax' "
             "(SparseCore via jax_tpu_embedding)."
         )
-    return backend_module(__name__, backend).to_tpu_embedding(optimizer)
+    if backend == "jax" and iterations is not None:
+        raise ValueError(
+            "`to_tpu_embedding` on JAX takes no `iterations`: SparseCore passes its own step count to the "
+            f"exported learning rate. Received: iterations={iterations!r}"
+        )
+    module = backend_module(__name__, backend)
+    if backend == "jax":
+        return module.to_tpu_embedding(optimizer)
+    return module.to_tpu_embedding(optimizer, iterations)

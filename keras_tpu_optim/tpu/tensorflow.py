@@ -43,19 +43,23 @@ class TPUEmbeddingAdam(tf.tpu.experimental.embedding.Adam):
 
 
 class BiasCorrectedLearningRate:
-    """`lr_t` of the coming step, called by the engine at each step (`TPUEmbedding.apply_gradients`)."""
+    """`lr_t` of the coming step, called by the engine at each step (`TPUEmbedding.apply_gradients`), after
+    `iterations` updates (the optimizer's own counter when None)."""
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, iterations=None):
         self.optimizer = optimizer
+        self.iterations = iterations
 
     def __call__(self):
-        return tf.cast(self.optimizer._bias_corrected_learning_rate(), tf.float32)
+        if self.iterations is None:
+            return tf.cast(self.optimizer._bias_corrected_learning_rate(), tf.float32)
+        return _export.bias_corrected_learning_rate_at(self.optimizer, self.iterations)
 
     def __repr__(self):
         return f"BiasCorrectedLearningRate({self.optimizer.name!r})"
 
 
-def to_tpu_embedding(optimizer) -> TPUEmbeddingAdam:
+def to_tpu_embedding(optimizer, iterations=None) -> TPUEmbeddingAdam:
     """See `keras_tpu_optim.tpu.to_tpu_embedding`."""
     _export.check_options(optimizer, _ENGINE)
     options = optimizer._row_update_options()
@@ -64,7 +68,7 @@ def to_tpu_embedding(optimizer) -> TPUEmbeddingAdam:
     multiply = None if decay is None else options.multiply_weight_decay_factor_by_learning_rate
     clip = (options.gradient_clip_min, options.gradient_clip_max)
     return TPUEmbeddingAdam(
-        learning_rate=BiasCorrectedLearningRate(optimizer),
+        learning_rate=BiasCorrectedLearningRate(optimizer, iterations),
         beta_1=options.beta_1,
         beta_2=options.beta_2,
         epsilon=options.epsilon,
