@@ -135,6 +135,13 @@ def build_model(config: str, sizes):
     return model
 
 
+def model_inputs(config: str, ids, dense):
+    """The model's inputs for a batch of `make_data`: the ids stacked for the one table, else one per feature."""
+    if config == "one_table":
+        return [ids, dense]
+    return [{f"f{i:02d}": ids[:, i].copy() for i in range(ids.shape[1])}, dense]
+
+
 def torch_ops_of_a_step(model, x, y) -> int:
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -182,12 +189,7 @@ def worker(config: str, quick: bool, steps: int, warmup: int) -> dict:
     position = [0]
     losses = []
 
-    def inputs(ids, dense):
-        if config == "one_table":
-            return [ids, dense]
-        return [{f"f{i:02d}": ids[:, i].copy() for i in range(ids.shape[1])}, dense]
-
-    batches = [(inputs(ids, dense), labels) for ids, dense, labels in batches]
+    batches = [(model_inputs(config, ids, dense), labels) for ids, dense, labels in batches]
 
     def step():
         x, labels = batches[position[0] % len(batches)]
