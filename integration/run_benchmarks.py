@@ -540,7 +540,9 @@ def _recommender_section(results):
         "## Tables trained in the lookup: a recommender's `fit` step",
         "",
         "`integration/bench_recommender.py`: ids of shape (1024, 4), a 64-wide table, mean-pooled, a Dense head; the "
-        "model compiled with Keras's Adam; `train_on_batch`, median ms a step; each configuration in its own process. "
+        "model compiled with Keras's Adam; `train_on_batch`, median ms a step; each configuration in its own process, "
+        "the table layers' in rounds (their processes alternated, the round of median time shown, every round's "
+        "median in `rounds ms`). "
         "`layer`: `kto.layers.Embedding(optimizer=kto.EmbeddingAdam(0.01))`; `layer_not_lazy`: the same with "
         "`lazy_adam=False` (ordinary Adam, skipped steps caught up in closed form); `keras_adam`: `keras.layers.Embedding` "
         "trained by Keras's Adam; `dense_path`: `keras.layers.Embedding` trained by `kto.EmbeddingAdam` as the model's "
@@ -556,6 +558,7 @@ def _recommender_section(results):
             f"`{x['config']}`",
             _size(x["rows"]),
             _f(x["median_ms"], ".2f"),
+            " / ".join(f"{ms:.2f}" for ms in x.get("rounds_ms", [])),
             _f(x["peak_beyond_state_mb"], ".0f"),
             _f(x["peak_beyond_state_x_table"], ".3f"),
             _f(x.get("creation_peak_beyond_state_mb"), ".0f"),
@@ -570,6 +573,7 @@ def _recommender_section(results):
                 "configuration",
                 "rows",
                 "step ms",
+                "rounds ms",
                 "steps' peak MB",
                 "x table",
                 "creation peak MB",

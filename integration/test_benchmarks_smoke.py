@@ -207,6 +207,13 @@ def test_bench_recommender_quick(tmp_path, capsys):
         ("keras_adam", 1000),
         ("dense_path", 1000),
     }
+    # The table layers in rounds (two with --quick), the others once.
+    assert {(r["config"], len(r["rounds_ms"])) for r in data["records"]} == {
+        ("layer", 2),
+        ("layer_not_lazy", 2),
+        ("keras_adam", 1),
+        ("dense_path", 1),
+    }
     assert all(t["value"] is not None for t in data["targets"]), data["targets"]
     (tmp_path / "report").mkdir()
     with open(tmp_path / "report" / f"recommender_{BACKEND}.json", "w") as f:
