@@ -5,7 +5,8 @@
 # slowest tests, then the total.
 #
 #   bash dev/test.sh            every test, on TensorFlow, JAX and torch (what CI runs)
-#   bash dev/test.sh --quick    the unit tests only (no subprocesses, multi-process jobs, demo or benchmarks),
+#   bash dev/test.sh --quick    the unit tests only (no subprocesses, multi-process jobs, demo or benchmarks, nor
+#                               the `slow` tests: whole training runs and torch.compile traces),
 #                               each parametrized test in as many cases as run every parameter value once;
 #                               JAX's and TF's XLA programs are kept in .test-cache/ for the next run
 #
@@ -19,7 +20,7 @@ quick=""
 if [ "${1:-}" = "--quick" ]; then
   shift
   quick=1
-  selection=(tests -m "not processes" --each-value-once)
+  selection=(tests -m "not processes and not slow" --each-value-once)
 fi
 workers="${TEST_WORKERS:-2}"
 parallel=()

@@ -564,6 +564,7 @@ def test_eager_and_compiled_steps_agree(compilation):
         )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(BACKEND != "torch", reason="`torch.compile` is the torch backend's compiler")
 def test_torch_compile_steps_equal_eager_steps(monkeypatch):
     """`jit_compile=True` on torch (`torch.compile` of the train step, the lookups' updates in their

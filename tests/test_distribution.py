@@ -215,6 +215,7 @@ def test_jax_data_parallel_matches_single_device(name):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_tf_mirrored_strategy_matches_single_device():
     """MirroredStrategy over two logical CPU devices (tests/conftest.py) against the default strategy."""
     if BACKEND != "tensorflow":

@@ -8,6 +8,7 @@ float32 dense Adam. Lazy Adam on the same ids is shown to miss by far more, so t
 """
 
 import numpy as np
+import pytest
 
 import keras
 
@@ -122,6 +123,7 @@ def rate_of(case):
     return lambda step: 0.02 if step < halve_at else 0.01
 
 
+@pytest.mark.slow
 def test_not_lazy_layers_train_as_dense_adam(tmp_path):
     """Every case at once, one table each: 300 steps, save, load, 40 steps; the per-step losses, and every
     row read at inference after each part, against the float64 reference."""

@@ -64,6 +64,7 @@ def _fit(optimizer, initial_weights=None):
     )
 
 
+@pytest.mark.slow
 def test_gpt2_fit_matches_keras_adafactor():
     learning_rate = 0.01
     initial, ours, our_weights = _fit(kto.Adafactor(learning_rate=learning_rate))

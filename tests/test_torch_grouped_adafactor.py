@@ -320,6 +320,7 @@ def test_no_host_device_synchronisation(monkeypatch):
     assert sum(counts.values()) == 0, {k: v for k, v in counts.items() if v}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("platform", ["gpu", "cpu"], ids=["grouped", "cpu_kernels"])
 def test_compiles_whole_with_the_eager_numbers(platform):
     # Traced and functionalized as inductor would take it (`aot_eager`); inductor's code generation is
