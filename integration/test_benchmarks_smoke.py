@@ -311,8 +311,7 @@ def test_device_check_dry_run(tmp_path):
         ("torch]", "keras_tpu_optim.Adafactor [grouped off]"),
         ("torch]", "keras_tpu_optim.EmbeddingAdam [dense, CPU forms]"),
         ("torch]", "torch.optim.SparseAdam [sparse]"),
-        ("JAX, fit]", "26 keras.layers.Embedding + keras.optimizers.Adam"),
-        ("JAX, fit]", "kto.layers.DistributedEmbedding"),
+        ("torch, fit]", "26 keras.layers.Embedding + keras.optimizers.Adam"),
         ("torch, fit]", "kto.layers.DistributedEmbedding"),
     ]:
         assert (part, name) in measured, (part, name, rows)
