@@ -102,12 +102,4 @@ def to_tpu_embedding(optimizer, *, iterations=None) -> Any:
             "supports KERAS_BACKEND='tensorflow' (TPUEmbedding) and KERAS_BACKEND='jax' "
             "(SparseCore via jax_tpu_embedding)."
         )
-    if backend == "jax" and iterations is not None:
-        raise ValueError(
-            "`to_tpu_embedding` on JAX takes no `iterations`: SparseCore passes its own step count to the "
-            f"exported learning rate. Received: iterations={iterations!r}"
-        )
-    module = backend_module(__name__, backend)
-    if backend == "jax":
-        return module.to_tpu_embedding(optimizer)
-    return module.to_tpu_embedding(optimizer, iterations)
+    return backend_module(__name__, backend).to_tpu_embedding(optimizer, iterations)

@@ -46,8 +46,13 @@ class BiasCorrectedLearningRate:
         return f"BiasCorrectedLearningRate({self.optimizer.name!r})"
 
 
-def to_tpu_embedding(optimizer) -> embedding_spec.CustomOptimizerSpec:
+def to_tpu_embedding(optimizer, iterations=None) -> embedding_spec.CustomOptimizerSpec:
     """See `keras_tpu_optim.tpu.to_tpu_embedding`."""
+    if iterations is not None:
+        raise ValueError(
+            "`to_tpu_embedding` on JAX takes no `iterations`: SparseCore passes its own step count to the "
+            f"exported learning rate. Received: iterations={iterations!r}"
+        )
     o = optimizer
     _export.check_options(
         o,

@@ -51,9 +51,8 @@ class BiasCorrectedLearningRate:
         self.iterations = iterations
 
     def __call__(self):
-        if self.iterations is None:
-            return tf.cast(self.optimizer._bias_corrected_learning_rate(), tf.float32)
-        return _export.bias_corrected_learning_rate_at(self.optimizer, self.iterations)
+        iterations = self.optimizer.iterations if self.iterations is None else self.iterations
+        return _export.bias_corrected_learning_rate_at(self.optimizer, iterations)
 
     def __repr__(self):
         return f"BiasCorrectedLearningRate({self.optimizer.name!r})"
