@@ -159,8 +159,10 @@ def caught_up(weight, momenta, velocities, row_steps, step, window, options):
     plan_ = options_plan(options)
     behind = ops.cast(ops.cast(step, "float32") - ops.cast(row_steps, "float32"), "int32")
     behind = ops.clip(behind, 0, plan_.window)
-    sums = ops.take(window, behind, axis=1)  # [terms + 1, rows]
-    powers = ops.take(ops.convert_to_tensor(plan_.powers), behind, axis=1)
+    # One gather for each row's `log E`, `C_n` and `beta_i^d`, shaped to broadcast against the rows.
+    columns = ops.concatenate([window, ops.convert_to_tensor(plan_.powers)], axis=0)
+    picked = ops.take(ops.transpose(columns), behind, axis=0)
+    picked = ops.reshape(picked, (-1, plan_.terms + 3) + (1,) * (len(weight.shape) - 1))
     epsilon = ops.cast(options.epsilon, "float32")
     if options.sum_inside_sqrt:
         total = velocities + epsilon * epsilon
@@ -171,19 +173,19 @@ def caught_up(weight, momenta, velocities, row_steps, step, window, options):
         z = epsilon * scale
     if len(z.shape) < len(weight.shape):
         z, scale = _per_row(z, weight), _per_row(scale, weight)
-    moved = _per_row(sums[plan_.terms], weight)
+    moved = picked[:, plan_.terms]
     for n in range(plan_.terms - 2, -1, -1):
-        moved = _per_row(sums[1 + n], weight) + z * moved
+        moved = picked[:, 1 + n] + z * moved
     if options.weight_decay_factor is not None:  # else `E = 1`
-        weight = _per_row(ops.exp(sums[0]), weight) * weight
+        weight = ops.exp(picked[:, 0]) * weight
     new_weight = weight - momenta * scale * moved
     new_weight = adam_math.clip_between(
         new_weight, options.clip_weight_min, options.clip_weight_max
     )
     return (
         new_weight,
-        _per_row(powers[0], momenta) * momenta,
-        _per_row(powers[1], velocities) * velocities,
+        picked[:, -2] * momenta,
+        _per_row(picked[:, -1], velocities) * velocities,
     )
 
 
@@ -229,16 +231,19 @@ def read_ids(ids, step, rows: int, options):
     return ops.concatenate([swept, flat], axis=0)
 
 
-def looked_up(tables, ids, every, group, step, window, options, *, gather):
+def looked_up(tables, ids, every, group, step, window, options, *, gather, distinct=None):
     """The forward pass of a training lookup: `(rows, residuals)`, the weights at `ids` as ordinary Adam has
     them at `step`, and what `stepped_rows` takes.
 
     `every` is `read_ids(ids, ...)`, the lookup's ids with this step's swept rows, and `group` numbers them
     from 0 (`sparse_rows.id_ranks`, or the backend's own grouping). Each distinct row is gathered
     (`gather(table, ids)`, the backend's) from `tables` (`(weight, momenta, velocities, row_steps)`) and
-    caught up once; the backward pass steps those rows.
+    caught up once; the backward pass steps those rows. A backend whose grouping has the distinct ids, one per
+    group in the order of `group`, passes them as `distinct`.
     """
-    distinct, slot = sparse_rows.distinct_ids(every, group)
+    slot = None
+    if distinct is None:
+        distinct, slot = sparse_rows.distinct_ids(every, group)
     weight, momenta, velocities, row_steps = (gather(t, distinct) for t in tables)
     rows = caught_up(
         *(ops.cast(x, "float32") for x in (weight, momenta, velocities)),
@@ -263,13 +268,16 @@ def stepped_rows(
     values = ops.reshape(ops.cast(row_gradients, "float32"), (-1,) + row_shape)
     # The swept rows (the first entries of `group`) have no gradient: their sums stay zero.
     swept = group.shape[0] - values.shape[0]
-    sums = segment_sum(values, group[swept:], num_segments=group.shape[0])
+    if slot is None:  # one entry per group
+        sums = segment_sum(values, group[swept:], num_segments=distinct.shape[0])
+    else:
+        sums = ops.take(
+            segment_sum(values, group[swept:], num_segments=group.shape[0]), slot, axis=0
+        )
     # Every row is current at `step` now. Written from the gathered counts, not as a broadcast: XLA copies a
     # whole slot to keep a gather's input when the scatter into it does not depend on the gather.
     steps = ops.maximum(ops.cast(row_steps, "float32"), ops.cast(step, "float32"))
-    new = adam_math.row_update(
-        ops.take(sums, slot, axis=0), *rows, learning_rate, options, row_steps=steps
-    )
+    new = adam_math.row_update(sums, *rows, learning_rate, options, row_steps=steps)
     if options.bias_correction != "per_row":
         new = new + (steps + 1.0,)
     return distinct, new

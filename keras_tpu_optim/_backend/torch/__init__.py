@@ -256,9 +256,17 @@ def trained_lookup(
         tables = tuple(t.value for t in state)
         options = row_update_arguments(step)[1]
         every = catch_up.read_ids(ids, step, tables[0].shape[0], options)
-        group = torch.unique(every, return_inverse=True)[1]
+        distinct, group = torch.unique(every, return_inverse=True)
         found, caught_up["rows"] = catch_up.looked_up(
-            tables, ids, every, group, step, window.value, options, gather=_take_rows
+            tables,
+            ids,
+            every,
+            group,
+            step,
+            window.value,
+            options,
+            gather=_take_rows,
+            distinct=distinct,
         )
         return found
 
