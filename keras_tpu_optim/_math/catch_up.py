@@ -159,10 +159,11 @@ def caught_up(weight, momenta, velocities, row_steps, step, window, options):
     plan_ = options_plan(options)
     behind = ops.cast(ops.cast(step, "float32") - ops.cast(row_steps, "float32"), "int32")
     behind = ops.clip(behind, 0, plan_.window)
-    # One gather for each row's `log E`, `C_n` and `beta_i^d`, shaped to broadcast against the rows.
+    # One gather of each row's `log E`, `C_n` and `beta_i^d`: `picked[k]` broadcasts against the rows.
     columns = ops.concatenate([window, ops.convert_to_tensor(plan_.powers)], axis=0)
-    picked = ops.take(ops.transpose(columns), behind, axis=0)
-    picked = ops.reshape(picked, (-1, plan_.terms + 3) + (1,) * (len(weight.shape) - 1))
+    picked = ops.take(columns, behind, axis=1)
+    for _ in weight.shape[1:]:
+        picked = ops.expand_dims(picked, -1)
     epsilon = ops.cast(options.epsilon, "float32")
     if options.sum_inside_sqrt:
         total = velocities + epsilon * epsilon
@@ -173,19 +174,24 @@ def caught_up(weight, momenta, velocities, row_steps, step, window, options):
         z = epsilon * scale
     if len(z.shape) < len(weight.shape):
         z, scale = _per_row(z, weight), _per_row(scale, weight)
-    moved = picked[:, plan_.terms]
+    moved = picked[plan_.terms]
     for n in range(plan_.terms - 2, -1, -1):
-        moved = picked[:, 1 + n] + z * moved
+        moved = picked[1 + n] + z * moved
     if options.weight_decay_factor is not None:  # else `E = 1`
-        weight = ops.exp(picked[:, 0]) * weight
+        weight = ops.exp(picked[0]) * weight
     new_weight = weight - momenta * scale * moved
     new_weight = adam_math.clip_between(
         new_weight, options.clip_weight_min, options.clip_weight_max
     )
     return (
         new_weight,
-        picked[:, -2] * momenta,
-        _per_row(picked[:, -1], velocities) * velocities,
+        picked[-2] * momenta,
+        (
+            picked[-1]
+            if len(velocities.shape) == len(weight.shape)
+            else _per_row(picked[-1], velocities)
+        )
+        * velocities,
     )
 
 
