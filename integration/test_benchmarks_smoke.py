@@ -60,7 +60,15 @@ def test_bench_adafactor_quick(tmp_path, capsys):
 def test_bench_embedding_adam_quick(tmp_path, capsys):
     # One table size: the script's sizes run one code path (the growth figures are the JAX test's below).
     stdout, data = _run(
-        "bench_embedding_adam.py", tmp_path, capsys, "--steps", "2", "--warmup", "1", "--sizes", "10k"
+        "bench_embedding_adam.py",
+        tmp_path,
+        capsys,
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--sizes",
+        "10k",
     )
     assert f"EmbeddingAdam on {BACKEND}" in stdout
     assert "Peak memory of the step" in stdout
