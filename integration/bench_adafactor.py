@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import sys
 
 import numpy as np
 

@@ -371,7 +371,10 @@ def sparse_adam_peer(args):
         batches = make_id_batches(rows, args.ids, 4, args.dim)
         grads = torch_sparse_grads(rows, args.dim, batches)
         out[str(rows)] = measure(
-            lambda: SparseAdamRun(table, grads), args.steps, args.warmup, args.max_seconds
+            lambda table=table, grads=grads: SparseAdamRun(table, grads),
+            args.steps,
+            args.warmup,
+            args.max_seconds,
         )
         del table, grads
         gc.collect()

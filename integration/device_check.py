@@ -230,20 +230,20 @@ def run_jax(dry_run, steps, budget):
         "Adafactor",
         config,
         "keras.optimizers.Adafactor",
-        lambda: keras_jit(keras.optimizers.Adafactor, params, grads),
+        lambda grads=grads: keras_jit(keras.optimizers.Adafactor, params, grads),
     )
-    row("Adafactor", config, "optax.adafactor", lambda: optax_jit(params, grads))
+    row("Adafactor", config, "optax.adafactor", lambda grads=grads: optax_jit(params, grads))
     row(
         "Adafactor",
         config,
         "keras_tpu_optim.Adafactor",
-        lambda: keras_jit(kto.Adafactor, params, grads),
+        lambda grads=grads: keras_jit(kto.Adafactor, params, grads),
     )
     row(
         "Adafactor",
         config,
         "keras_tpu_optim.Adafactor [CPU forms]",
-        lambda: keras_jit(kto.Adafactor, params, grads, platforms="cpu"),
+        lambda grads=grads: keras_jit(kto.Adafactor, params, grads, platforms="cpu"),
     )
     del grads
     for rows in (2_000, 20_000) if dry_run else (1_000_000, 10_000_000):
@@ -262,19 +262,19 @@ def run_jax(dry_run, steps, budget):
             "EmbeddingAdam",
             config,
             "keras.optimizers.Adam [dense]",
-            lambda: keras_jit(lambda: keras.optimizers.Adam(1e-3), table, dense),
+            lambda dense=dense: keras_jit(lambda: keras.optimizers.Adam(1e-3), table, dense),
         )
         row(
             "EmbeddingAdam",
             config,
             "keras_tpu_optim.EmbeddingAdam [dense]",
-            lambda: keras_jit(lambda: kto.EmbeddingAdam(1e-3), table, dense),
+            lambda dense=dense: keras_jit(lambda: kto.EmbeddingAdam(1e-3), table, dense),
         )
         row(
             "EmbeddingAdam",
             config,
             "keras_tpu_optim.EmbeddingAdam [BCOO]",
-            lambda: keras_jit(lambda: kto.EmbeddingAdam(1e-3), table, bcoo),
+            lambda bcoo=bcoo: keras_jit(lambda: kto.EmbeddingAdam(1e-3), table, bcoo),
         )
         del dense, bcoo
     criteo_rows(dry_run, steps, budget, "JAX, fit")
@@ -350,7 +350,7 @@ def run_torch(dry_run, steps, budget):
         "Adafactor",
         config,
         "torch.optim.Adafactor(foreach=True)",
-        lambda: (
+        lambda grads=grads: (
             TorchOptimStep(
                 lambda ps: torch.optim.Adafactor(ps, lr=1e-3, foreach=True), params, grads, device
             ).step
@@ -429,7 +429,7 @@ def run_torch(dry_run, steps, budget):
             "EmbeddingAdam",
             config,
             "torch.optim.SparseAdam [sparse]",
-            lambda: (
+            lambda sparse=sparse: (
                 TorchOptimStep(
                     lambda ps: torch.optim.SparseAdam(ps, lr=1e-3), table, sparse, device
                 ).step

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 import keras
-from keras import layers, ops
+from keras import layers
 
 import keras_tpu_optim as kto
 
