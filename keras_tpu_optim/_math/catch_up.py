@@ -274,12 +274,11 @@ def stepped_rows(
     values = ops.reshape(ops.cast(row_gradients, "float32"), (-1,) + row_shape)
     # The swept rows (the first entries of `group`) have no gradient: their sums stay zero.
     swept = group.shape[0] - values.shape[0]
-    if slot is None:  # one entry per group
-        sums = segment_sum(values, group[swept:], num_segments=distinct.shape[0])
-    else:
-        sums = ops.take(
-            segment_sum(values, group[swept:], num_segments=group.shape[0]), slot, axis=0
-        )
+    # Without `slot`, one entry per group; with it, static shapes: as many as ids, picked by `slot`.
+    segments = distinct.shape[0] if slot is None else group.shape[0]
+    sums = segment_sum(values, group[swept:], num_segments=segments)
+    if slot is not None:
+        sums = ops.take(sums, slot, axis=0)
     # Every row is current at `step` now. Written from the gathered counts, not as a broadcast: XLA copies a
     # whole slot to keep a gather's input when the scatter into it does not depend on the gather.
     steps = ops.maximum(ops.cast(row_steps, "float32"), ops.cast(step, "float32"))
