@@ -244,3 +244,35 @@ def test_gradient_of_another_shape_at_run_time_raises_naming_the_variable(kind):
     np.testing.assert_array_equal(variable.numpy(), np.ones((6, 4), np.float32))
     for slot in optimizer.variables[2:]:
         assert not np.any(keras.ops.convert_to_numpy(slot)), slot.path
+
+
+# ------------------------------------------------------------------ the layer trained in its lookup
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("lazy_adam", [True, False])
+def test_layer_trained_in_its_lookup_with_an_unknown_batch_size_matches_numpy(
+    lazy_adam, jit_compile
+):
+    """Keras's trainer relaxes a step's batch dimension to unknown once batches of two sizes have run."""
+    initial = np.random.default_rng(1).uniform(-0.1, 0.1, (ROWS, DIM)).astype(np.float32)
+    optimizer = kto.EmbeddingAdam(0.05, lazy_adam=lazy_adam)
+    layer = kto.layers.Embedding(
+        ROWS, DIM, embeddings_initializer=keras.initializers.Constant(initial), optimizer=optimizer
+    )
+    layer.build()
+    reference = NumpyEmbeddingAdam(initial, learning_rate=0.05, lazy_adam=lazy_adam)
+    signature = [tf.TensorSpec([None], tf.int32), tf.TensorSpec([None, DIM], tf.float32)]
+
+    @tf.function(input_signature=signature, jit_compile=jit_compile)
+    def step(ids, values):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(ids, training=True) * values)
+        layer.iterations.assign(tape.gradient(loss, layer.iterations.value))
+
+    for seed, ids in enumerate(IDS):
+        values = np.random.default_rng(seed).normal(0.0, 0.5, (len(ids), DIM)).astype(np.float32)
+        step(tf.constant(ids, tf.int32), tf.constant(values))
+        reference.apply_sparse(np.array(ids), values)
+    layer.catch_up()
+    np.testing.assert_allclose(layer.embeddings.numpy(), reference.weights, rtol=1e-5, atol=1e-6)

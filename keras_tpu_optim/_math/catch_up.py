@@ -197,15 +197,11 @@ def caught_up(weight, momenta, velocities, row_steps, step, window, options):
 
 def swept_rows(step, rows: int, options):
     """The rows this step sweeps: a contiguous run, so that each of `rows` is swept every `window` steps."""
-    chunk = _swept_count(rows, options)
+    chunk = -(-rows // options.catch_up_window)
     turns = -(-rows // chunk)
     start = ops.mod(ops.cast(step, "int32"), turns) * chunk
     start = ops.minimum(start, rows - chunk)
     return start + ops.arange(chunk, dtype="int32")
-
-
-def _swept_count(rows: int, options) -> int:
-    return -(-rows // options.catch_up_window)
 
 
 def read_rows(tables, ids, step, window, options):
@@ -237,20 +233,24 @@ def read_ids(ids, step, rows: int, options):
     return ops.concatenate([swept, flat], axis=0)
 
 
-def looked_up(tables, ids, every, group, step, window, options, *, gather, distinct=None):
+def looked_up(
+    tables, ids, every, group, step, window, options, *, gather=None, distinct=None, slot=None
+):
     """The forward pass of a training lookup: `(rows, residuals)`, the weights at `ids` as ordinary Adam has
     them at `step`, and what `stepped_rows` takes.
 
     `every` is `read_ids(ids, ...)`, the lookup's ids with this step's swept rows, and `group` numbers them
     from 0 (`sparse_rows.id_ranks`, or the backend's own grouping). Each distinct row is gathered
     (`gather(table, ids)`, the backend's) from `tables` (`(weight, momenta, velocities, row_steps)`) and
-    caught up once; the backward pass steps those rows. A backend whose grouping has the distinct ids, one per
-    group in the order of `group`, passes them as `distinct`.
+    caught up once; the backward pass steps those rows. A backend whose grouping has the distinct ids passes
+    them as `distinct`: one per group in the order of `group`, or with `slot` as `sparse_rows.distinct_ids`
+    returns them; one that has gathered their rows itself passes those rows as `tables`, without `gather`.
     """
-    slot = None
     if distinct is None:
         distinct, slot = sparse_rows.distinct_ids(every, group)
-    weight, momenta, velocities, row_steps = (gather(t, distinct) for t in tables)
+    if gather is not None:
+        tables = tuple(gather(t, distinct) for t in tables)
+    weight, momenta, velocities, row_steps = tables
     rows = caught_up(
         *(ops.cast(x, "float32") for x in (weight, momenta, velocities)),
         row_steps,
@@ -258,8 +258,9 @@ def looked_up(tables, ids, every, group, step, window, options, *, gather, disti
         window,
         options,
     )
-    found = ops.take(rows[0], group[_swept_count(tables[0].shape[0], options) :], axis=0)
-    found = ops.cast(ops.reshape(found, tuple(ids.shape) + tuple(weight.shape[1:])), weight.dtype)
+    # The lookup's ids are the last of `every` (`read_ids`).
+    found = ops.take(rows[0], group[ops.shape(group)[0] - ops.size(ids) :], axis=0)
+    found = ops.cast(ops.reshape(found, ops.shape(ids) + tuple(weight.shape[1:])), weight.dtype)
     return found, (distinct, group, slot, rows + (row_steps,))
 
 
@@ -273,9 +274,9 @@ def stepped_rows(
     row_shape = tuple(rows[0].shape[1:])
     values = ops.reshape(ops.cast(row_gradients, "float32"), (-1,) + row_shape)
     # The swept rows (the first entries of `group`) have no gradient: their sums stay zero.
-    swept = group.shape[0] - values.shape[0]
+    swept = ops.shape(group)[0] - ops.shape(values)[0]
     # Without `slot`, one entry per group; with it, static shapes: as many as ids, picked by `slot`.
-    segments = distinct.shape[0] if slot is None else group.shape[0]
+    segments = ops.shape(distinct if slot is None else group)[0]
     sums = segment_sum(values, group[swept:], num_segments=segments)
     if slot is not None:
         sums = ops.take(sums, slot, axis=0)

@@ -146,55 +146,51 @@ def trained_lookup(
 
 def _caught_up_lookup(ids, state, step, row_update_arguments, window, owner):
     """`trained_lookup` with a catch-up `window` (`_math.catch_up`): the rows read are caught up in the forward
-    pass; the backward pass steps them, scatters them and advances the window. Outside XLA each pass is one
-    XLA computation, the backward pass's writing the variables in it (as the lazy row update is: op by op,
-    every catch-up term is a kernel), the ids checked first (XLA would clip them)."""
+    pass; the backward pass steps them, scatters them and advances the window. Outside XLA the catch-up and
+    the step are each one XLA computation (op by op, every catch-up term is a kernel), while TF's own kernels
+    group the ids, gather the rows and scatter them (XLA's CPU sort, gathers and scatters are slower), the
+    ids checked first (a gather in XLA would clip them)."""
     learning_rate, options = row_update_arguments(step)
     window_before = tf.convert_to_tensor(window.value)
     targets = [native_variable(t) for t in state]
     compiling = compiling_helps()
-    if compiling:
-        ids = rows.checked_indices(ids, tf.shape(targets[0], out_type=ids.dtype)[0], state[0])
 
     def compiled(name, function):
         if not compiling:
             return function
         return compiled_function(owner, (name, options), lambda: function)
 
-    def forward(targets, ids, every, group, step, window):
-        if group is None:  # inside XLA
-            group = sparse_rows.id_ranks(every, search=False)
+    def forward(tables, ids, every, group, distinct, slot, step, window):
         return catch_up.looked_up(
-            targets, ids, every, group, step, window, options, gather=tf.gather
+            tables, ids, every, group, step, window, options, distinct=distinct, slot=slot
         )
 
-    def backward(targets, window, window_before, caught_up, row_gradients, learning_rate, step):
-        distinct, new_rows = catch_up.stepped_rows(
-            caught_up, row_gradients, learning_rate, step, options
-        )
-        for target, new in zip(targets, new_rows):
-            target.scatter_update(tf.IndexedSlices(tf.cast(new, target.dtype), distinct))
-        window.assign(catch_up.advanced_window(window_before, learning_rate, step, options))
+    def backward(caught_up, row_gradients, learning_rate, step, window):
+        new_rows = catch_up.stepped_rows(caught_up, row_gradients, learning_rate, step, options)[1]
+        new_window = catch_up.advanced_window(window, learning_rate, step, options)
+        return [tf.cast(new, t.dtype) for new, t in zip(new_rows, targets)], new_window
 
-    # Outside XLA the ids are grouped by `tf.unique` (XLA's CPU sort took twice as long); inside, by an argsort.
+    if compiling:
+        ids = rows.checked_indices(ids, tf.shape(targets[0], out_type=ids.dtype)[0], state[0])
     every = catch_up.read_ids(ids, step, state[0].shape[0], options)
-    group = tf.unique(every, out_idx=tf.int32).idx if compiling else None
+    group = (
+        tf.unique(every, out_idx=tf.int32).idx if compiling else sparse_rows.id_ranks(every, False)
+    )
+    distinct, slot = sparse_rows.distinct_ids(every, group)
+    tables = [tf.gather(t, distinct) for t in targets]
     found, caught_up = compiled("catch_up_lookup", forward)(
-        targets, ids, every, group, step, window_before
+        tables, ids, every, group, distinct, slot, step, window_before
     )
 
     @tf.custom_gradient
     def hooked(found, step):
         def gradient(row_gradients):
-            compiled("catch_up_step", backward)(
-                targets,
-                native_variable(window),
-                window_before,
-                caught_up,
-                row_gradients,
-                learning_rate,
-                step,
+            new_rows, new_window = compiled("catch_up_step", backward)(
+                caught_up, row_gradients, learning_rate, step, window_before
             )
+            for target, new in zip(targets, new_rows):
+                target.scatter_update(tf.IndexedSlices(new, distinct))
+            window.assign(new_window)
             return None, step + 1
 
         return tf.identity(found), gradient
