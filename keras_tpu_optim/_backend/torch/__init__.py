@@ -227,7 +227,8 @@ def trained_lookup(
     def update(ids, row_gradients, step):
         if checked:
             _check_one_update_per_step(owner, count)
-        learning_rate, row_options = row_update_arguments(step)
+        # With a window, the arguments the forward pass read (`read`).
+        learning_rate, row_options = caught_up.pop("arguments", None) or row_update_arguments(step)
         if window is not None:
             distinct, new_rows = catch_up.stepped_rows(
                 caught_up.pop("rows"),
@@ -254,7 +255,8 @@ def trained_lookup(
         if window is None:
             return ops.take(state[0].value, ids, axis=0)
         tables = tuple(t.value for t in state)
-        options = row_update_arguments(step)[1]
+        caught_up["arguments"] = row_update_arguments(step)
+        options = caught_up["arguments"][1]
         every = catch_up.read_ids(ids, step, tables[0].shape[0], options)
         distinct, group = torch.unique(every, return_inverse=True)
         found, caught_up["rows"] = catch_up.looked_up(
