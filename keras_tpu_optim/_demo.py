@@ -256,12 +256,14 @@ def main(argv=None) -> int:
         f"\nPart 2 - recommender, {users:,}-row user table; each step looked up "
         f"{min(touched):,}-{max(touched):,} distinct users"
     )
+    width = max(len(r["label"]) for r in rec)
     print(
-        f"{'optimizer':<42} {'final loss':>10} {'accuracy':>9} {'rows updated/step':>18} {'ms/step':>9} {'train s':>8}"
+        f"{'optimizer':<{width}} {'final loss':>10} {'accuracy':>9} {'rows updated/step':>18} {'ms/step':>9} "
+        f"{'train s':>8}"
     )
     for r in rec:
         print(
-            f"{r['label']:<42} {r['final_loss']:>10.4f} {r['accuracy']:>9.3f} "
+            f"{r['label']:<{width}} {r['final_loss']:>10.4f} {r['accuracy']:>9.3f} "
             f"{r['rows_updated']:>18,.0f} {r['step_ms']:>9.1f} {r['elapsed'][-1]:>8.2f}"
         )
     print("(train s: wall-clock seconds of the steps after the first, which compiles)")
