@@ -17,7 +17,7 @@ SUPPORTED = ("tensorflow", "jax", "torch")
 INTERFACE = (
     "platform_of gradient_values checked_gradient unscale densify apply_if cond eager_branches "
     "adafactor_step adafactor_steps adafactor_evaluation embedding_adam_step accumulation_rows "
-    "state_creation_scope trained_lookup lookup_trace"
+    "state_creation_scope trained_lookup lookup_trace unstacked"
 ).split()
 
 # The modules imported so far. A plain dict, not `functools.cache`: `torch.compile` traces a dict

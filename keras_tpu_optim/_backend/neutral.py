@@ -33,6 +33,11 @@ def checked_gradient(gradient, variable, mismatch):
     return gradient
 
 
+def unstacked(rows):
+    """`rows` split along its first axis (`ops.unstack`)."""
+    return ops.unstack(rows, axis=0)
+
+
 def state_creation_scope():
     """Where an optimizer's `build` creates its state: the current scope."""
     return contextlib.nullcontext()

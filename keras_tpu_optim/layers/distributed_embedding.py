@@ -14,6 +14,7 @@ import numpy as np
 from keras import ops
 
 from keras_tpu_optim import _private
+from keras_tpu_optim._backend import backend
 from keras_tpu_optim.embedding_adam import EmbeddingAdam
 from keras_tpu_optim.layers.embedding import Embedding
 
@@ -443,7 +444,7 @@ class DistributedEmbedding(keras.layers.Layer):
                 stack(ids), None if present is None else stack(present), tables, len(shapes[0])
             )
             rows = group(stacked, training=training)
-            return [rows[0]] if len(ids) == 1 else ops.unstack(rows, axis=0)
+            return [rows[0]] if len(ids) == 1 else list(backend.unstacked(rows))
         flat = [ops.reshape(x, (-1,)) for x in ids]
         stacked = [
             self._stacked_ids(

@@ -98,6 +98,16 @@ def eager_branches(iterations) -> bool:
 
 
 state_creation_scope = neutral.state_creation_scope
+
+
+@jax.custom_vjp
+def unstacked(rows):
+    """`rows` split along its first axis, differentiated into one stack: JAX's own gradient of `unstack` is a
+    padded copy of the whole stack per part (work growing with the square of the parts)."""
+    return tuple(rows[i] for i in range(rows.shape[0]))
+
+
+unstacked.defvjp(lambda rows: (unstacked(rows), None), lambda _, parts: (jax.numpy.stack(parts),))
 checked_gradient = neutral.checked_gradient
 accumulation_rows = neutral.accumulation_rows
 adafactor_steps = neutral.adafactor_steps  # one variable at a time: XLA fuses each step

@@ -22,6 +22,7 @@ cond = neutral.cond
 eager_branches = neutral.eager_branches
 apply_if = neutral.apply_if  # Eager: a Python branch.
 state_creation_scope = neutral.state_creation_scope
+unstacked = neutral.unstacked
 checked_gradient = neutral.checked_gradient
 
 # The scratch of each optimizer's (and `layers.Embedding`'s) row steps, released with its owner.
