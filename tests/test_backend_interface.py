@@ -155,3 +155,37 @@ def _forbidden(what):
         raise AssertionError(f"{what} ran for a variable that is not on a CPU")
 
     return fail
+
+
+def test_unstacked_parts_and_their_gradient_match_numpy():
+    """`unstacked` splits along the first axis; on JAX its gradient (a custom VJP) is each part's gradient
+    stacked, an unused part's zero. Checked through each backend's own autodiff."""
+    rows = np.arange(3 * 2 * 4 * 5, dtype=np.float32).reshape(3, 2, 4, 5)
+    weights = np.array([2.0, 0.0, -3.0], np.float32)  # part 1 unused
+
+    def loss(x):
+        parts = _backend.backend.unstacked(x)
+        return sum(w * keras.ops.sum(p * p) for w, p in zip(weights, parts) if w)
+
+    if BACKEND == "jax":
+        import jax
+
+        gradient = np.asarray(jax.grad(loss)(keras.ops.convert_to_tensor(rows)))
+    elif BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        x = tf.constant(rows)
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            value = loss(x)
+        gradient = tape.gradient(value, x).numpy()
+    else:
+        import torch
+
+        x = torch.tensor(rows, requires_grad=True)
+        loss(x).backward()
+        gradient = x.grad.numpy()
+    parts = _backend.backend.unstacked(keras.ops.convert_to_tensor(rows))
+    parts = [keras.ops.convert_to_numpy(p) for p in parts]
+    np.testing.assert_array_equal(np.stack(parts), rows)
+    np.testing.assert_allclose(gradient, 2 * weights[:, None, None, None] * rows)

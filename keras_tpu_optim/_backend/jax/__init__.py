@@ -107,7 +107,15 @@ def unstacked(rows):
     return tuple(rows[i] for i in range(rows.shape[0]))
 
 
-unstacked.defvjp(lambda rows: (unstacked(rows), None), lambda _, parts: (jax.numpy.stack(parts),))
+def _stacked(_, parts):
+    # Joined along their last axis and moved: XLA folds a concatenation of adjacent slices of one array (a
+    # model concatenating the parts) into one slice, where a stack copies each part by itself.
+    joined = jax.numpy.concatenate(parts, axis=-1)
+    shape = parts[0].shape
+    return (jax.numpy.moveaxis(joined.reshape(shape[:-1] + (len(parts), shape[-1])), -2, 0),)
+
+
+unstacked.defvjp(lambda rows: (unstacked(rows), None), _stacked)
 checked_gradient = neutral.checked_gradient
 accumulation_rows = neutral.accumulation_rows
 adafactor_steps = neutral.adafactor_steps  # one variable at a time: XLA fuses each step
