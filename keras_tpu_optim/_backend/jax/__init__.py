@@ -98,6 +98,9 @@ def eager_branches(iterations) -> bool:
 
 
 state_creation_scope = neutral.state_creation_scope
+checked_gradient = neutral.checked_gradient
+accumulation_rows = neutral.accumulation_rows
+adafactor_steps = neutral.adafactor_steps  # one variable at a time: XLA fuses each step
 
 
 @jax.custom_vjp
@@ -116,9 +119,6 @@ def _stacked(_, parts):
 
 
 unstacked.defvjp(lambda rows: (unstacked(rows), None), _stacked)
-checked_gradient = neutral.checked_gradient
-accumulation_rows = neutral.accumulation_rows
-adafactor_steps = neutral.adafactor_steps  # one variable at a time: XLA fuses each step
 
 
 def adafactor_step(
