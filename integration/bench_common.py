@@ -282,3 +282,21 @@ def json_of_worker(command: list, what: str, timeout: int) -> dict | None:
         print(f"{what} failed:\n{done.stderr[-3000:]}", flush=True)
         return None
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------- rounds of worker processes
+
+
+def alternated(items: list, rounds: int) -> list:
+    """`items` `rounds` times over, every other round reversed: processes of one configuration vary by up to
+    30% on a small machine, and alternating spreads a drift in the machine's state over all of them."""
+    return [x for r in range(rounds) for x in (items if r % 2 == 0 else items[::-1])]
+
+
+def median_round(records: list) -> dict:
+    """The record of median time among one configuration's rounds (the upper one of an even count), with
+    every round's median in `rounds_ms`."""
+    ordered = sorted(records, key=lambda r: r["median_ms"])
+    record = dict(ordered[len(ordered) // 2])
+    record["rounds_ms"] = [r["median_ms"] for r in records]
+    return record

@@ -200,11 +200,10 @@ def main(argv=None):
     backend = os.environ.get("KERAS_BACKEND", "tensorflow")
     runs = {}  # (config, rows): the records of its rounds
     tables = [(c, rows) for c in TABLE_CONFIGS for rows in sizes_of(c, args.quick)]
-    order = [[t for t in (tables if r % 2 == 0 else tables[::-1])] for r in range(args.rounds)]
     others = [
         (c, rows) for c in CONFIGS if c not in TABLE_CONFIGS for rows in sizes_of(c, args.quick)
     ]
-    for config, rows in [t for round_ in order for t in round_] + others:
+    for config, rows in bc.alternated(tables, args.rounds) + others:
         record = run_worker(config, rows, args)
         if record is not None:
             runs.setdefault((config, rows), []).append(record)
@@ -216,11 +215,7 @@ def main(argv=None):
     records = []
     for key in [(c, rows) for c in CONFIGS for rows in sizes_of(c, args.quick)]:
         if key in runs:
-            # The round of median time (the upper one of an even count), with every round's median.
-            ordered = sorted(runs[key], key=lambda r: r["median_ms"])
-            record = dict(ordered[len(ordered) // 2])
-            record["rounds_ms"] = [r["median_ms"] for r in runs[key]]
-            records.append(record)
+            records.append(bc.median_round(runs[key]))
     payload = {
         "bench": "recommender",
         "backend": backend,

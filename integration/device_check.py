@@ -121,6 +121,7 @@ def criteo_rows(dry_run, steps, budget, label):
     names = {
         "keras": "26 keras.layers.Embedding + keras.optimizers.Adam",
         "distributed": "kto.layers.DistributedEmbedding",
+        "frozen": "kto.layers.DistributedEmbedding, tables not trained",
         "layers26": "26 kto.layers.Embedding",
         "one_table": "one kto.layers.Embedding of all rows",
         "keras_rs": "keras_rs.layers.DistributedEmbedding + keras.optimizers.Adam",
