@@ -484,17 +484,15 @@ def _fit_peak_above_sgd(backend_result):
 
 def _targets_lines(found):
     """A section's "Targets" table: each backend's `targets` of its benchmark JSON."""
+    notes = any(t.get("note") for _, r in found for t in r["targets"])
     rows = [
         [k, t["target"], _f(t["value"], ".4g"), f"≤ {t['threshold']:g}", PASS[t["pass"]]]
+        + ([t.get("note", "")] if notes else [])
         for k, r in found
         for t in r["targets"]
     ]
-    return [
-        "### Targets",
-        "",
-        _md_table(["backend", "target", "measured", "goal", "result"], rows),
-        "",
-    ]
+    header = ["backend", "target", "measured", "goal", "result"] + (["note"] if notes else [])
+    return ["### Targets", "", _md_table(header, rows), ""]
 
 
 def _criteo_section(results):
