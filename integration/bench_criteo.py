@@ -109,7 +109,7 @@ def build_model(config: str, sizes):
         features = {}
         for i, n in enumerate(sizes):
             table = layers.TableConfig(
-                f"t{i:02d}", n, DIM, optimizer=None if config != "keras_rs" else "adam"
+                f"t{i:02d}", n, DIM, optimizer="adam" if config == "keras_rs" else None
             )
             features[f"f{i:02d}"] = layers.FeatureConfig(
                 f"f{i:02d}", table, input_shape=(BATCH,), output_shape=(BATCH, DIM)

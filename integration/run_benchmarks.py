@@ -482,6 +482,11 @@ def _fit_peak_above_sgd(backend_result):
     }
 
 
+def _rounds(record) -> str:
+    """A record's per-round medians (`bench_common.median_round`), as the `rounds ms` column shows them."""
+    return " / ".join(f"{ms:.2f}" for ms in record.get("rounds_ms", []))
+
+
 def _targets_lines(found):
     """A section's "Targets" table: each backend's `targets` of its benchmark JSON."""
     notes = any(t.get("note") for _, r in found for t in r["targets"])
@@ -520,7 +525,7 @@ def _criteo_section(results):
             f"`{x['config']}`",
             _size(x["rows"]),
             _f(x["median_ms"], ".2f"),
-            " / ".join(f"{ms:.2f}" for ms in x.get("rounds_ms", [])),
+            _rounds(x),
             _f(x["first_loss"], ".4f"),
             _f(x["last_loss"], ".4f"),
             x.get("torch_ops", x.get("jax_kernels", "")),
@@ -568,7 +573,7 @@ def _recommender_section(results):
             f"`{x['config']}`",
             _size(x["rows"]),
             _f(x["median_ms"], ".2f"),
-            " / ".join(f"{ms:.2f}" for ms in x.get("rounds_ms", [])),
+            _rounds(x),
             _f(x["peak_beyond_state_mb"], ".0f"),
             _f(x["peak_beyond_state_x_table"], ".3f"),
             _f(x.get("creation_peak_beyond_state_mb"), ".0f"),
