@@ -1,4 +1,4 @@
-"""The README's code examples run as written."""
+"""The code examples of the README and of docs/guide.md run as written."""
 
 import pathlib
 import re
@@ -7,20 +7,29 @@ import keras
 import numpy as np
 import pytest
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+GUIDE = ROOT / "docs" / "guide.md"
 
 
-def _python_block_after(heading):
-    text = README.read_text()
-    section = text.split(heading, 1)[1]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+def _python_blocks_after(heading, path):
+    """The python code blocks of the file at `path` after `heading`, in order."""
+    section = path.read_text().split(heading, 1)[1]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
+def _python_block_after(heading, path):
+    return _python_blocks_after(heading, path)[0]
 
 
 @pytest.mark.skipif(
     keras.backend.backend() != "jax", reason="the BCOO training step is the JAX backend's"
 )
 def test_jax_bcoo_training_step_example_runs(capsys):
-    exec(compile(_python_block_after("## Sparse gradients on JAX"), "README.md", "exec"), {})
+    exec(
+        compile(_python_block_after("## Sparse gradients on JAX", GUIDE), "docs/guide.md", "exec"),
+        {},
+    )
     printed = capsys.readouterr().out.split()
     losses = [float(x) for x in printed[1:6:2]]
     assert losses[2] < losses[0]  # it trains
@@ -31,7 +40,7 @@ def test_recommender_example_trains_the_tables_in_fit():
     namespace = {}
     exec(
         compile(
-            _python_block_after("## A recommender: tables trained inside `fit`"),
+            _python_block_after("## A recommender: tables trained inside `fit`", README),
             "README.md",
             "exec",
         ),
@@ -51,7 +60,8 @@ def test_recommender_example_trains_the_tables_in_fit():
 def test_many_tables_example_trains_each_table():
     namespace = {}
     exec(
-        compile(_python_block_after("## Many tables in one layer"), "README.md", "exec"), namespace
+        compile(_python_block_after("## Many tables in one layer", GUIDE), "docs/guide.md", "exec"),
+        namespace,
     )
     embedding, x = namespace["embedding"], namespace["x"]
     groups = embedding._grouping.groups
@@ -80,9 +90,8 @@ def test_many_tables_example_trains_each_table():
 )
 def test_many_tables_configs_move_to_keras_rs_with_exported_optimizers():
     namespace = {}
-    text = README.read_text().split("## Many tables in one layer", 1)[1]
-    for block in re.findall(r"```python\n(.*?)```", text, re.S)[:2]:
-        exec(compile(block, "README.md", "exec"), namespace)
+    for block in _python_blocks_after("## Many tables in one layer", GUIDE)[:2]:
+        exec(compile(block, "docs/guide.md", "exec"), namespace)
     exported, features = namespace["exported"], namespace["tpu_features"]
     assert features["history"].table is features["item"].table  # one shared table
     assert features["city"].table.optimizer is exported["cities"]  # the override's own export
