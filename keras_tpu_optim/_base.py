@@ -114,10 +114,6 @@ class OptimizerBase(keras.optimizers.Optimizer):
         """The `window` slot of `variable` (`_accumulates_rows`), or None."""
         return getattr(self._state_of(variable), "window", None)
 
-    def _platform_of(self, variable) -> str:
-        """Where `variable` lives (`"cpu"`, `"gpu"`, `"tpu"`, ...), which picks its kernels."""
-        return self._platforms[_private.variable_index(self, variable)]
-
     def apply(self, grads, trainable_variables=None):
         # NumPy gradients work with Keras's optimizers: made tensors once, so torch paths see torch tensors.
         grads = [ops.convert_to_tensor(g) if isinstance(g, np.ndarray) else g for g in grads]

@@ -2,8 +2,9 @@
 Keras picks its backend optimizer.
 
 The optimizers hand it plain arguments (a variable, its state, the step's numbers); it never calls back
-into them. Each package provides `INTERFACE` (`neutral`: what runs where a backend has nothing of its
-own). Evaluations are chosen by a variable's platform (docs/algorithms.md#platform-specific-evaluation).
+into them. Each package provides what the package calls as `backend.<name>` (`neutral`: what runs where a
+backend has nothing of its own). Evaluations are chosen by a variable's platform
+(docs/algorithms.md#platform-specific-evaluation).
 """
 
 from __future__ import annotations
@@ -14,11 +15,6 @@ from types import ModuleType
 import keras
 
 SUPPORTED = ("tensorflow", "jax", "torch")
-INTERFACE = (
-    "platform_of gradient_values checked_gradient unscale densify apply_if cond eager_branches "
-    "adafactor_step adafactor_steps adafactor_evaluation embedding_adam_step accumulation_rows "
-    "state_creation_scope trained_lookup lookup_trace unstacked"
-).split()
 
 # The modules imported so far. A plain dict, not `functools.cache`: `torch.compile` traces a dict
 # lookup, and breaks its graph at an `importlib` call (even one a cache would skip).

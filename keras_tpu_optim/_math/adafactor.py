@@ -141,15 +141,6 @@ class Evaluation:
 NEUTRAL = Evaluation()
 
 
-class Batched(Evaluation):
-    """Variables of one shape stacked on a leading axis."""
-
-    batch_dims = 1
-
-
-BATCHED = Batched()
-
-
 def clip_factor(update_mean_square, clip_threshold):
     """`1 / max(1, RMS(u) / d)`, the update clipping of the paper (section 6)."""
     return 1.0 / ops.maximum(1.0, ops.sqrt(update_mean_square) / clip_threshold)

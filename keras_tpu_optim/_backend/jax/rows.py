@@ -23,9 +23,6 @@ from keras_tpu_optim._math import embedding_adam as adam_math
 _BITS = 32
 
 
-touched_mask = adam_math.touched_row_mask  # Rows with any non-zero (or NaN) entry.
-
-
 def pack_bits(mask):
     """A boolean vector as uint32 words, row `32 * w + b` in bit `b` of word `w`."""
     padded = jnp.pad(mask, (0, -mask.shape[0] % _BITS)).reshape(-1, _BITS)
@@ -70,7 +67,7 @@ def lazy_row_update(update_rows, gradient, tables, *, capacity):
     """The tables (the table's and its slots' values) after updating the rows of a dense `gradient` with a
     non-zero entry by `update_rows`, `capacity` rows a round; untouched rows keep their bits."""
     num_rows = tables[0].shape[0]
-    touched = pack_bits(touched_mask(gradient))
+    touched = pack_bits(adam_math.touched_row_mask(gradient))
     count = jnp.sum(jax.lax.population_count(touched), dtype=jnp.int32)
 
     def update_round(state):

@@ -22,7 +22,7 @@ from keras_tpu_optim._backend.tensorflow.gradients import (
     gradient_values,
     unscale,
 )
-from keras_tpu_optim._backend.tensorflow.adafactor import adafactor_evaluation, adafactor_step
+from keras_tpu_optim._backend.tensorflow.adafactor import adafactor_step
 from keras_tpu_optim._math import catch_up
 from keras_tpu_optim._math import sparse_rows
 from keras_tpu_optim._math import embedding_adam as adam_math

@@ -15,17 +15,12 @@ def native_variable(variable):
     return variable.value if isinstance(variable, keras.Variable) else variable
 
 
-def in_xla_context() -> bool:
-    """Whether the op being built will be compiled by XLA (`jit_compile=True`)."""
-    return _private.tf_in_xla_context()
-
-
 def compiling_helps() -> bool:
     """Whether compiling an update with XLA helps here: no XLA around it, no distribution strategy.
 
     (Replica and mirrored variables stay on TF's own path.)
     """
-    return not tf.distribute.has_strategy() and not in_xla_context()
+    return not tf.distribute.has_strategy() and not _private.tf_in_xla_context()
 
 
 # Per owner (an optimizer), its compiled functions by key; and those called eagerly, by key alone.

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from keras_tpu_optim import _private
 from keras_tpu_optim._math import sparse_rows
 from keras_tpu_optim._backend.tensorflow._compile import (
     compiled_function,
     compiling_helps,
-    in_xla_context,
     native_variable,
 )
 from keras_tpu_optim._backend.tensorflow.gradients import sparse_entries as _entries
@@ -51,7 +51,7 @@ def _add_to_window(ids, values, number, targets):
 def window_sizes(like, window, steps):
     """The lengths of a window's row list to try, smallest first: dynamic outside XLA; under XLA `steps` times
     this gradient's ids (enough when every micro-batch has as many) if fewer than the rows, then the rows."""
-    if not in_xla_context():
+    if not _private.tf_in_xla_context():
         return (None,)
     num_rows, ids = int(window.shape[0]), like.indices.shape[0]
     if ids is None or steps * ids >= num_rows:

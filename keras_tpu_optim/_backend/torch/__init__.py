@@ -48,11 +48,6 @@ def densify(gradient):
     return gradient.to_dense() if gradient.is_sparse else gradient
 
 
-def adafactor_evaluation(platform: str) -> adafactor_math.Evaluation:
-    """The whole-variable evaluation (a step in a stateless scope): the neutral one."""
-    return adafactor_math.NEUTRAL
-
-
 def blocked_adafactor_applies(platform: str) -> bool:
     """Whether a variable on `platform` stepped alone is stepped in blocks (`adafactor.blocked_step`)."""
     return platform == "cpu"
