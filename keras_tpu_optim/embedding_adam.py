@@ -436,22 +436,23 @@ class EmbeddingAdam(OptimizerBase):
             ema_copy_updates=self.gradient_accumulation_steps or 1,
         )
 
-    def _bias_corrected_learning_rate(self, learning_rate=None):
-        """`lr_t` of the coming step: the rate the TPU embedding engine is fed."""
-        learning_rate = self.learning_rate if learning_rate is None else learning_rate
+    def _row_learning_rate(self, step, learning_rate=None):
+        """The row update's float32 rate for the update that follows `step` applied updates (also the rate the
+        TPU embedding engines are fed): the learning rate at `step` (or `learning_rate`, Keras's reading of
+        it), bias-corrected for `t = step + 1`; uncorrected with `bias_correction="per_row"`, where
+        `row_update` corrects each row by its own count."""
+        if learning_rate is None:
+            learning_rate = _private.learning_rate_at(self, step)
+        learning_rate = ops.cast(learning_rate, "float32")
+        if self.bias_correction == "per_row":
+            return learning_rate
         return adam_math.bias_corrected_learning_rate(
-            ops.cast(learning_rate, "float32"),
-            ops.cast(self.iterations + 1, "float32"),
-            self.beta_1,
-            self.beta_2,
+            learning_rate, ops.cast(step, "float32") + 1.0, self.beta_1, self.beta_2
         )
 
     def update_step(self, gradient, variable, learning_rate):
         """Update the rows of `variable` present in `gradient` (all rows if not lazy)."""
-        if self.bias_correction == "per_row":  # `row_update` corrects by each row's own count
-            learning_rate = ops.cast(learning_rate, "float32")
-        else:
-            learning_rate = self._bias_corrected_learning_rate(learning_rate)
+        learning_rate = self._row_learning_rate(self.iterations, learning_rate)
         # Keras updates the averages once per `apply` (micro-step): this step's EMA update is numbered so.
         ema_step = ops.cast(_private.raw_iterations(self), "int32") if self.use_ema else None
         backend.embedding_adam_step(

@@ -11,7 +11,6 @@ from keras import ops
 from keras_tpu_optim import _private
 from keras_tpu_optim._backend import backend
 from keras_tpu_optim._math import catch_up as catch_up_math
-from keras_tpu_optim._math import embedding_adam as adam_math
 from keras_tpu_optim.embedding_adam import EmbeddingAdam
 
 # The layer optimizer's options that cannot keep their meaning when the table is updated in the
@@ -261,11 +260,7 @@ class Embedding(keras.layers.Embedding):
                 f"is built. Received: lazy_adam={optimizer.lazy_adam!r}, beta_1={optimizer.beta_1!r}, "
                 f"beta_2={optimizer.beta_2!r}, sum_inside_sqrt={optimizer.sum_inside_sqrt!r}"
             )
-        learning_rate = ops.cast(_private.learning_rate_at(optimizer, step), "float32")
-        if optimizer.bias_correction == "global":
-            learning_rate = adam_math.bias_corrected_learning_rate(
-                learning_rate, ops.cast(step, "float32") + 1.0, optimizer.beta_1, optimizer.beta_2
-            )
+        learning_rate = optimizer._row_learning_rate(step)
         options = optimizer._row_update_options(self._embeddings)
         if self.catch_up_sums is not None:
             options = dataclasses.replace(options, catch_up_window=self.catch_up_sums.shape[1] - 1)

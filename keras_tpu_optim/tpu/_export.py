@@ -3,10 +3,8 @@ the learning rate."""
 
 from __future__ import annotations
 
-from keras import ops
 
 from keras_tpu_optim import _private
-from keras_tpu_optim._math import embedding_adam as adam_math
 
 # Why an engine cannot honour an option; `{engine}` names it.
 _WHY = {
@@ -70,14 +68,4 @@ def check_options(optimizer, engine: str, *engine_refusals) -> None:
         ("second_moment", o.second_moment != "full"),
         ("bias_correction", o.bias_correction != "global"),
         *engine_refusals,
-    )
-
-
-def bias_corrected_learning_rate_at(optimizer, step):
-    """`lr_t` of the update that follows `step` applied updates (t = step + 1), float32."""
-    return adam_math.bias_corrected_learning_rate(
-        ops.cast(_private.learning_rate_at(optimizer, step), "float32"),
-        ops.cast(step, "float32") + 1.0,
-        optimizer.beta_1,
-        optimizer.beta_2,
     )

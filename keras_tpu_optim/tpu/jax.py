@@ -40,7 +40,7 @@ class BiasCorrectedLearningRate:
     optimizer: Any
 
     def __call__(self, step):
-        return _export.bias_corrected_learning_rate_at(self.optimizer, step)
+        return self.optimizer._row_learning_rate(step)
 
     def __repr__(self):
         return f"BiasCorrectedLearningRate({self.optimizer.name!r})"

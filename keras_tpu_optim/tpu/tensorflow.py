@@ -52,7 +52,7 @@ class BiasCorrectedLearningRate:
 
     def __call__(self):
         iterations = self.optimizer.iterations if self.iterations is None else self.iterations
-        return _export.bias_corrected_learning_rate_at(self.optimizer, iterations)
+        return self.optimizer._row_learning_rate(iterations)
 
     def __repr__(self):
         return f"BiasCorrectedLearningRate({self.optimizer.name!r})"
