@@ -123,12 +123,8 @@ def step_rate_and_decay(learning_rate, step, options):
         rate = adam_math.bias_corrected_learning_rate(
             rate, ops.cast(step, "float32") + 1.0, options.beta_1, options.beta_2
         )
-    decay = options.weight_decay_factor
-    if decay is None:
-        return rate, None
-    if options.multiply_weight_decay_factor_by_learning_rate:
-        decay = decay * rate
-    return rate, ops.cast(decay, "float32")
+    decay = adam_math.weight_decay(rate, options)
+    return rate, None if decay is None else ops.cast(decay, "float32")
 
 
 def advanced_window(window, learning_rate, step, options):
@@ -148,10 +144,6 @@ def advanced_window(window, learning_rate, step, options):
     return shifted + rate * ops.convert_to_tensor(plan_.increments)
 
 
-def _per_row(x, like):
-    return ops.reshape(x, (-1,) + (1,) * (len(like.shape) - 1))
-
-
 def caught_up(weight, momenta, velocities, row_steps, step, window, options):
     """Float32 rows `(weight, momenta, velocities)` brought from their `row_steps` to `step` (at most the
     window behind) by Adam's steps with a zero gradient; weight clipping is applied once, at the end. A
@@ -164,16 +156,13 @@ def caught_up(weight, momenta, velocities, row_steps, step, window, options):
     picked = ops.take(columns, behind, axis=1)
     for _ in weight.shape[1:]:
         picked = ops.expand_dims(picked, -1)
-    epsilon = ops.cast(options.epsilon, "float32")
+    # `m / denominator` times the series in `z = eps / (sqrt(v) + eps)`, or `eps^2 / (v + eps^2)` inside it.
+    scale = 1.0 / adam_math.denominator(velocities, options)
+    z = options.epsilon * scale
     if options.sum_inside_sqrt:
-        total = velocities + epsilon * epsilon
-        scale = ops.rsqrt(total)
-        z = epsilon * epsilon / total
-    else:
-        scale = 1.0 / (ops.sqrt(velocities) + epsilon)
-        z = epsilon * scale
+        z = z * z
     if len(z.shape) < len(weight.shape):
-        z, scale = _per_row(z, weight), _per_row(scale, weight)
+        z, scale = adam_math.per_row(z, weight), adam_math.per_row(scale, weight)
     moved = picked[plan_.terms]
     for n in range(plan_.terms - 2, -1, -1):
         moved = picked[1 + n] + z * moved
@@ -189,7 +178,7 @@ def caught_up(weight, momenta, velocities, row_steps, step, window, options):
         (
             picked[-1]
             if len(velocities.shape) == len(weight.shape)
-            else _per_row(picked[-1], velocities)
+            else adam_math.per_row(picked[-1], velocities)
         )
         * velocities,
     )

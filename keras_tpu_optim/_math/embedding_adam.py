@@ -89,9 +89,25 @@ def clip_between(x, low: Optional[float], high: Optional[float]):
     return x
 
 
-def _per_row(x, like):
+def per_row(x, like):
     """A `(rows,)` array shaped to broadcast against `like` (`(rows, *row_shape)`)."""
     return ops.reshape(x, (-1,) + (1,) * (len(like.shape) - 1))
+
+
+def weight_decay(learning_rate, options: RowUpdateOptions):
+    """The fraction of a weight one step decays (None: no decay): `weight_decay_factor`, times the step's
+    `learning_rate` with `multiply_weight_decay_factor_by_learning_rate`."""
+    decay = options.weight_decay_factor
+    if decay is not None and options.multiply_weight_decay_factor_by_learning_rate:
+        decay = decay * learning_rate
+    return decay
+
+
+def denominator(velocities, options: RowUpdateOptions):
+    """Adam's denominator: `sqrt(v + eps^2)` with `sum_inside_sqrt` (the TPU engine's), else `sqrt(v) + eps`."""
+    if options.sum_inside_sqrt:
+        return ops.sqrt(velocities + options.epsilon**2)
+    return ops.sqrt(velocities) + options.epsilon
 
 
 def row_update(
@@ -105,35 +121,30 @@ def row_update(
     `c = row_steps + 1` (`row_steps`: `[rows]` int32).
     """
     o = options
-    per_row = o.bias_correction == "per_row"
-    if per_row:
+    counted = o.bias_correction == "per_row"
+    if counted:
         if row_steps is None:
             raise ValueError('`bias_correction="per_row"` needs the rows\' `row_steps`.')
         row_steps = row_steps + ops.ones_like(row_steps)
         count = ops.cast(row_steps, "float32")
-        learning_rate = _per_row(
+        learning_rate = per_row(
             bias_corrected_learning_rate(learning_rate, count, o.beta_1, o.beta_2), weight
         )
     grad = clip_between(grad, o.gradient_clip_min, o.gradient_clip_max)
-    if o.weight_decay_factor is not None:
-        decay = o.weight_decay_factor
-        if o.multiply_weight_decay_factor_by_learning_rate:
-            decay = decay * learning_rate
+    decay = weight_decay(learning_rate, o)
+    if decay is not None:
         weight = weight - decay * weight
     momenta = o.beta_1 * momenta + (1.0 - o.beta_1) * grad
     square = ops.square(grad)
     if o.second_moment == "rowwise" and len(grad.shape) > 1:
         square = ops.mean(square, axis=tuple(range(1, len(grad.shape))))
     velocities = o.beta_2 * velocities + (1.0 - o.beta_2) * square
-    if o.sum_inside_sqrt:
-        denominator = ops.sqrt(velocities + o.epsilon**2)
-    else:
-        denominator = ops.sqrt(velocities) + o.epsilon
-    if len(denominator.shape) < len(weight.shape):
-        denominator = _per_row(denominator, weight)
-    weight = weight - learning_rate * momenta / denominator
+    divisor = denominator(velocities, o)
+    if len(divisor.shape) < len(weight.shape):
+        divisor = per_row(divisor, weight)
+    weight = weight - learning_rate * momenta / divisor
     weight = clip_between(weight, o.clip_weight_min, o.clip_weight_max)
-    if per_row:
+    if counted:
         return weight, momenta, velocities, row_steps
     return weight, momenta, velocities
 
@@ -150,9 +161,9 @@ def ema_catch_up(weight, average, average_steps, count, options: RowUpdateOption
     count = ops.cast(count, "int32")
     behind = ops.cast(ops.maximum(count - steps, 0), "float32")
     factor = ops.power(ops.cast(options.ema_momentum, "float32"), behind)
-    up_to_date = _per_row(steps >= count, weight)
-    copied = _per_row(steps < options.ema_copy_updates, weight)
-    caught_up = weight + _per_row(factor, weight) * (average - weight)
+    up_to_date = per_row(steps >= count, weight)
+    copied = per_row(steps < options.ema_copy_updates, weight)
+    caught_up = weight + per_row(factor, weight) * (average - weight)
     return ops.where(up_to_date, average, ops.where(copied, weight, caught_up))
 
 
