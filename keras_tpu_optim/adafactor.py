@@ -204,9 +204,9 @@ class Adafactor(OptimizerBase):
         )
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        # Keras's loop over `update_step`, which a backend may run for groups of variables at once.
+        # The backend steps the variables it evaluates as groups; Keras's loop over `update_step` the rest.
         indices = [_private.variable_index(self, v) for v in trainable_variables]
-        backend.adafactor_steps(
+        left = backend.adafactor_group_steps(
             grads,
             trainable_variables,
             [self._states[i] for i in indices],
@@ -216,8 +216,11 @@ class Adafactor(OptimizerBase):
             step=self.iterations + 1,
             options=self._options,
             owner=self,
-            keras_steps=super()._backend_update_step,
         )
+        if left:
+            super()._backend_update_step(
+                [grads[p] for p in left], [trainable_variables[p] for p in left], learning_rate
+            )
 
     def get_config(self):
         return {**super().get_config(), **self._options.to_config()}

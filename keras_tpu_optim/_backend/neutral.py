@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 
-import keras
 from keras import ops
 
 from keras_tpu_optim._math import adafactor as adafactor_math
@@ -73,39 +72,25 @@ def adafactor_step(
         options=options,
         evaluation=evaluation,
     )
-    assign_update(
+    assign = assign or (lambda target, value: target.assign(value))
+    for slot, value in zip(slots, new_slots):
+        assign(slot, value)
+    adafactor_math.write_back(
         variable,
-        (slots, new_slots),
-        (momentum, new_momentum),
         delta,
+        momentum,
+        new_momentum,
         rounding=adafactor_math.rounding(options, step, variable_index, variable.shape),
         assign=assign,
-        assign_sub=assign_sub,
+        assign_sub=assign_sub or (lambda target, value: target.assign_sub(value)),
+        value=lambda: ops.convert_to_tensor(variable),
     )
 
 
-def assign_update(variable, slots, momentum, delta, *, rounding, assign=None, assign_sub=None):
-    """Write a step's results: `slots` and `momentum` as `(variables, new values)`, the variable minus `delta`
-    (a float32 variable in place, any other rounded once by `rounding`). `assign(target, value)` and
-    `assign_sub` default to the variables' own."""
-    assign = assign or (lambda target, value: target.assign(value))
-    assign_sub = assign_sub or (lambda target, value: target.assign_sub(value))
-    for slot, value in zip(*slots):
-        assign(slot, value)
-    if momentum[0] is not None:
-        assign(momentum[0], ops.cast(momentum[1], momentum[0].dtype))
-    if keras.backend.standardize_dtype(variable.dtype) == "float32":
-        assign_sub(variable, delta)
-    else:
-        assign(
-            variable, adafactor_math.subtracted(ops.convert_to_tensor(variable), delta, rounding)
-        )
-
-
-def adafactor_steps(grads, variables, states, *, learning_rate, keras_steps, **step_numbers):
-    """A step's Adafactor updates (`states`, `indices`, `platforms`: the variables'): Keras's loop over
-    `update_step` (`keras_steps`), one variable at a time."""
-    keras_steps(grads, variables, learning_rate)
+def adafactor_group_steps(grads, variables, states, **step_numbers):
+    """Step the variables evaluated as groups; return the positions of the others (here: every variable,
+    each stepped by itself, which XLA fuses)."""
+    return range(len(variables))
 
 
 def embedding_adam_step(gradient, variable, slots, update_rows, *, lazy, lazy_row_update, densify):

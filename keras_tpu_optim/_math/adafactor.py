@@ -277,6 +277,26 @@ def rounding(options: AdafactorOptions, step, variable_index, shape, offset=0):
     )
 
 
+def write_back(
+    variable, delta, momentum, new_momentum, *, rounding, assign, assign_sub=None, value=None
+):
+    """Store a step's results by the one rule every evaluation follows: the momentum (None: none) in its
+    slot's dtype; a float32 variable minus `delta` (in place by `assign_sub(variable, delta)` where given),
+    any other variable its float32 result rounded once by `rounding` (`subtracted`). `assign(target, x)`
+    stores `x`; `value()` reads the variable (default: `variable` is its value). A group's variables and
+    momenta, stepped as one stack, are lists of one dtype each."""
+    if momentum is not None:
+        assign(momentum, ops.cast(new_momentum, _dtype(momentum)))
+    if assign_sub is not None and keras.backend.standardize_dtype(_dtype(variable)) == "float32":
+        assign_sub(variable, delta)
+    else:
+        assign(variable, subtracted(variable if value is None else value(), delta, rounding))
+
+
+def _dtype(x):
+    return x[0].dtype if isinstance(x, list) else x.dtype
+
+
 def subtracted(value, delta, round_to=ops.cast):
     """`value - delta` in `value`'s dtype: in float32, rounded once by `round_to(x, dtype)` for other dtypes."""
     if keras.backend.standardize_dtype(value.dtype) == "float32":

@@ -100,7 +100,7 @@ def eager_branches(iterations) -> bool:
 state_creation_scope = neutral.state_creation_scope
 checked_gradient = neutral.checked_gradient
 accumulation_rows = neutral.accumulation_rows
-adafactor_steps = neutral.adafactor_steps  # one variable at a time: XLA fuses each step
+adafactor_group_steps = neutral.adafactor_group_steps
 
 
 @jax.custom_vjp
@@ -163,10 +163,16 @@ def _adafactor_update(structure, evaluation):
             options=options,
             evaluation=evaluation,
         )
-        if momentum is not None:
-            new_momentum = ops.cast(new_momentum, momentum.dtype)
-        rounding = adafactor_math.rounding(options, step, variable_index, variable.shape)
-        return adafactor_math.subtracted(variable, delta, rounding), new_slots, new_momentum
+        new = {}  # by `write_back`, functionally: no `assign_sub`
+        adafactor_math.write_back(
+            variable,
+            delta,
+            momentum,
+            new_momentum,
+            rounding=adafactor_math.rounding(options, step, variable_index, variable.shape),
+            assign=lambda target, value: new.__setitem__(target is momentum, value),
+        )
+        return new[False], new_slots, new.get(True)
 
     return jax.jit(update)
 

@@ -29,7 +29,7 @@ from keras_tpu_optim._math import embedding_adam as adam_math
 
 cond = neutral.cond
 eager_branches = neutral.eager_branches
-adafactor_steps = neutral.adafactor_steps  # one variable at a time: XLA fuses each step
+adafactor_group_steps = neutral.adafactor_group_steps
 unstacked = neutral.unstacked
 apply_if = neutral.apply_if  # tf.cond runs only the branch taken: sparse updates stay sparse.
 

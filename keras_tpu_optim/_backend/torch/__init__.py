@@ -104,27 +104,16 @@ def grouped_adafactor_applies(platform: str, size: int) -> bool:
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def adafactor_steps(
-    grads,
-    variables,
-    states,
-    *,
-    indices,
-    platforms,
-    learning_rate,
-    step,
-    options,
-    owner,
-    keras_steps,
+def adafactor_group_steps(
+    grads, variables, states, *, indices, platforms, learning_rate, step, options, owner
 ):
-    """Keras's loop over `update_step` (`keras_steps`), the variables on a grouped platform stepped by group."""
+    """Step the variables on a grouped platform by group (`adafactor.grouped_step`); return the positions of
+    the others, each stepped by itself."""
     if _private.in_stateless_scope():
-        keras_steps(grads, variables, learning_rate)
-        return
+        return range(len(variables))
     alone, groups = _group_plan(owner, variables, states, indices, platforms, options)
-    if alone:
-        keras_steps([grads[p] for p in alone], [variables[p] for p in alone], learning_rate)
-    learning_rate, step = ops.convert_to_tensor(learning_rate), ops.convert_to_tensor(step)
+    if groups:
+        learning_rate, step = ops.convert_to_tensor(learning_rate), ops.convert_to_tensor(step)
     for positions, group_indices, axes in groups:
         members = [
             adafactor.Member(
@@ -143,6 +132,7 @@ def adafactor_steps(
             axes=axes,
             indices=group_indices,
         )
+    return alone
 
 
 # Each optimizer's plan of its steps, by the list of variables a step updates.

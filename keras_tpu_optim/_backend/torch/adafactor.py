@@ -103,14 +103,16 @@ def blocked_step(
         part = [blocks.part(x, span, rows) for x in (grad, param, momentum)]
         factors = [blocks.part(factor, span, rows) for factor in result.factors]
         delta, new_momentum = adafactor_math.update(_float32(part[0]), factors, part[2], options)
-        if momentum is not None:
-            part[2].copy_(new_momentum)
-        if param.dtype == torch.float32:
-            part[1].sub_(delta)
-        else:
-            offset = 0 if span is None else span[0] * per_row
-            rounding = adafactor_math.rounding(options, step, variable_index, None, offset)
-            part[1].copy_(adafactor_math.subtracted(part[1], delta, rounding))
+        offset = 0 if span is None else span[0] * per_row
+        adafactor_math.write_back(
+            part[1],
+            delta,
+            part[2],
+            new_momentum,
+            rounding=adafactor_math.rounding(options, step, variable_index, None, offset),
+            assign=torch.Tensor.copy_,
+            assign_sub=torch.Tensor.sub_,
+        )
 
 
 class Member(NamedTuple):
@@ -175,13 +177,14 @@ def grouped_step(members, *, learning_rate, step, options, axes, indices=None) -
     deltas, new_momenta = adafactor_math.update(
         grads, result.factors, None if momenta is None else torch.stack(momenta), options
     )
-    if momenta is not None:
-        torch._foreach_copy_(momenta, new_momenta.unbind(0))
-    if first.param.dtype == torch.float32:
-        torch._foreach_sub_(params, deltas.unbind(0))
-        return
     column = None if indices is None else indices.reshape((-1,) + (1,) * first.param.dim())
-    rounding = adafactor_math.rounding(options, step, column, tuple(first.param.shape))
-    torch._foreach_copy_(
-        params, adafactor_math.subtracted(torch.stack(params), deltas, rounding).unbind(0)
+    adafactor_math.write_back(
+        params,
+        deltas,
+        momenta,
+        new_momenta,
+        rounding=adafactor_math.rounding(options, step, column, tuple(first.param.shape)),
+        assign=lambda targets, stacked: torch._foreach_copy_(targets, stacked.unbind(0)),
+        assign_sub=lambda targets, stacked: torch._foreach_sub_(targets, stacked.unbind(0)),
+        value=lambda: torch.stack(params),
     )
