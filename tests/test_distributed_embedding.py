@@ -177,7 +177,7 @@ def test_tables_match_numpy_embedding_adam(case):
     its numpy EmbeddingAdam fed the rows' gradients; the outputs against numpy's pooling."""
     options = OPTION_CASES[case]
     model, layer = make_model(options)
-    assert sorted(len(group._members) for group in layer._grouping.groups) == [1, 1, 2]
+    assert sorted(len(m) for m in layer._grouping.members) == [1, 1, 2]
     references = reference_optimizers(options)
     for step in range(3):
         ids, weights = step_inputs(step)
@@ -225,7 +225,7 @@ def test_adam_tables_and_the_layer_optimizer():
     assert isinstance(converted, kto.EmbeddingAdam)
     assert (converted.sum_inside_sqrt, converted.beta_1, converted.epsilon) == (False, 0.8, 1e-5)
     assert float(numpy_of(converted.learning_rate)) == pytest.approx(0.02)
-    assert sorted(len(g._members) for g in layer._grouping.groups) == [2, 2]
+    assert sorted(len(m) for m in layer._grouping.members) == [2, 2]
     alone = DistributedEmbedding([FeatureConfig("x", TableConfig("x", 10, 2, optimizer="adam"))])
     default = alone.table_optimizer("x")
     assert (default.sum_inside_sqrt, default.epsilon, default.beta_2) == (False, 1e-7, 0.999)
@@ -313,7 +313,7 @@ def test_save_load_into_another_grouping_and_resume_exactly(tmp_path, options):
     configs = feature_configs()
     configs["fb"].table.optimizer = kto.EmbeddingAdam(0.05, max_touched_rows=1000, **options)
     regrouped, other = make_model(options, configs=configs)
-    assert sorted(len(g._members) for g in other._grouping.groups) == [1, 1, 1, 1]
+    assert sorted(len(m) for m in other._grouping.members) == [1, 1, 1, 1]
     regrouped.load_weights(path)
     regrouped.train_on_batch([ids, weights], np.ones((BATCH, width()), "float32"))
     for name, table in layer.get_embedding_tables().items():

@@ -65,7 +65,7 @@ def test_many_tables_example_trains_each_table():
     )
     embedding, x = namespace["embedding"], namespace["x"]
     groups = embedding._grouping.groups
-    assert sorted(len(g._members) for g in groups) == [1, 2]  # users and items stacked
+    assert sorted(len(m) for m in embedding._grouping.members) == [1, 2]  # users and items stacked
     assert {k: tuple(v.shape) for k, v in namespace["tables"].items()} == {
         "users": (100_000, 16),
         "items": (20_000, 16),

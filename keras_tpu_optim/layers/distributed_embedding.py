@@ -183,10 +183,11 @@ def _optimizer_key(optimizer):
 
 
 class _Grouping:
-    """The groups (`kto.layers.Embedding`s of stacked tables), their tables' rows, each table's `(group index, first row)`, and each group's features."""
+    """The groups (`kto.layers.Embedding`s of stacked tables), each group's `(table config, optimizer)`s and
+    their rows, each table's `(group index, first row)`, and each group's features."""
 
     def __init__(self):
-        self.groups, self.placement, self.features, self.rows = [], {}, [], []
+        self.groups, self.members, self.placement, self.features, self.rows = [], [], {}, [], []
 
 
 class _Stacked(keras.initializers.Initializer):
@@ -290,9 +291,7 @@ class DistributedEmbedding(keras.layers.Layer):
                 )
             except ValueError as error:
                 raise _table_error(names[0], str(error)) from None
-            group.__dict__["_members"] = [
-                (table, table_optimizer) for _, table, table_optimizer in members
-            ]
+            grouping.members.append([(table, o) for _, table, o in members])
             grouping.groups.append(self._tracker.track(group))
             grouping.rows.append(offset)
         for g in range(len(grouping.groups)):
@@ -369,7 +368,7 @@ class DistributedEmbedding(keras.layers.Layer):
     def table_optimizer(self, name):
         """The `EmbeddingAdam` that trains the table `name`."""
         group, _ = self._grouping.placement[name]
-        return dict((t.name, o) for t, o in self._grouping.groups[group]._members)[name]
+        return dict((t.name, o) for t, o in self._grouping.members[group])[name]
 
     def build(self, input_shapes=None):
         # The ids' shapes are checked on the tensors, in `call`.
@@ -499,8 +498,7 @@ class DistributedEmbedding(keras.layers.Layer):
 
     def _check_group_optimizers(self):
         """Raise if tables grouped for their equal optimizers no longer have equal ones (one was changed)."""
-        for group in self._grouping.groups:
-            members = group._members
+        for members in self._grouping.members:
             distinct = {id(o): (t, o) for t, o in members}
             if len(distinct) < 2:
                 continue
@@ -567,10 +565,8 @@ class DistributedEmbedding(keras.layers.Layer):
                         f"Layer '{self.name}': no saved `{name}` of the table '{table.name}' (saved: "
                         f"{sorted(keys)}); the file was written with other tables or optimizer options."
                     )
-        for g, group in enumerate(self._grouping.groups):
-            counts = {
-                t.name: float(np.asarray(store[f"{t.name}:iterations"])) for t, _ in group._members
-            }
+        for g, (group, members) in enumerate(zip(self._grouping.groups, self._grouping.members)):
+            counts = {t.name: float(np.asarray(store[f"{t.name}:iterations"])) for t, _ in members}
             if len(set(counts.values())) > 1:
                 raise ValueError(
                     f"Layer '{self.name}': the tables {sorted(counts)} are stepped together here, but were saved "
@@ -583,9 +579,7 @@ class DistributedEmbedding(keras.layers.Layer):
             ):
                 if variable is None:
                     continue
-                parts = [
-                    np.asarray(store[f"{t.name}:{name}"], variable.dtype) for t, _ in group._members
-                ]
+                parts = [np.asarray(store[f"{t.name}:{name}"], variable.dtype) for t, _ in members]
                 padding = (variable.shape[0] - self._grouping.rows[g],) + tuple(variable.shape[1:])
                 # Saved caught up (`catch_up`): padding rows are current too.
                 fill = group.iterations.numpy() if name == "row_steps" else 0
