@@ -323,12 +323,33 @@ def test_public_names_beyond_keras_embedding_are_documented():
         "row_steps",
         "catch_up_sums",
         "catch_up",
+        "table_state",
     }
     for name in added:
         assert (
             f"`{name}`" in kto.layers.Embedding.__doc__
             or f"    {name}:" in kto.layers.Embedding.__doc__
         ), name
+
+
+@pytest.mark.parametrize(
+    "options, added",
+    [
+        ({}, []),
+        ({"bias_correction": "per_row"}, ["row_steps"]),
+        ({"lazy_adam": False}, ["row_steps", "catch_up_sums"]),
+    ],
+)
+def test_table_state_names_the_saved_variables_in_order(options, added):
+    layer = kto.layers.Embedding(ROWS, DIM, optimizer=kto.EmbeddingAdam(**options))
+    layer.build()
+    state = layer.table_state()
+    assert list(state) == ["embeddings", "iterations", "momenta", "velocities", *added]
+    assert all(getattr(layer, name) is variable for name, variable in state.items())
+    store = {}
+    layer.save_own_variables(store)
+    assert list(store) == [str(i) for i in range(len(state))]
+    assert all(store[str(i)] is variable for i, variable in enumerate(state.values()))
 
 
 @pytest.mark.skipif(BACKEND == "torch", reason="torch runs eagerly: no compiler to insert copies")

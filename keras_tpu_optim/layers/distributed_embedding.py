@@ -527,10 +527,10 @@ class DistributedEmbedding(keras.layers.Layer):
         return value[offset : offset + table.vocabulary_size]
 
     def _table_state(self, table):
-        """`{name: variable}` of a table's group: the stacked table, its step count and slots."""
+        """`{name: variable}` of a table's group saved per table: its `table_state()` (the stacked table, its
+        step count and slots) but the catch-up sums, shared by every row, which loading restarts."""
         group = self._grouping.groups[self._grouping.placement[table.name][0]]
-        names = ("embeddings", "iterations", "momenta", "velocities", "row_steps")
-        return dict(zip(names, group._saved_variables()))
+        return {n: v for n, v in group.table_state().items() if n != "catch_up_sums"}
 
     def catch_up(self):
         """Bring every table trained with `lazy_adam=False` to ordinary Adam's values now, in one pass
@@ -573,11 +573,8 @@ class DistributedEmbedding(keras.layers.Layer):
                     f"after different numbers of steps: {counts}."
                 )
             group.iterations.assign(next(iter(counts.values())))
-            for name, variable in zip(
-                ("embeddings", "momenta", "velocities", "row_steps"),
-                (group.embeddings, group.momenta, group.velocities, group.row_steps),
-            ):
-                if variable is None:
+            for name, variable in self._table_state(members[0][0]).items():
+                if name == "iterations":
                     continue
                 parts = [np.asarray(store[f"{t.name}:{name}"], variable.dtype) for t, _ in members]
                 padding = (variable.shape[0] - self._grouping.rows[g],) + tuple(variable.shape[1:])

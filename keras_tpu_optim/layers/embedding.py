@@ -97,17 +97,17 @@ class Embedding(keras.layers.Embedding):
     sees the table: it keeps no state for it, and its gradient clipping does
     not include it. `evaluate` and `predict` only look rows up.
 
-    The state lives in the layer, saved with it (`model.save`, checkpoints):
-    `embeddings`, `iterations` (the table's step count, advanced once per
-    training step: float32, exact up to 2^24 steps), the float32 slots
-    `momenta` and `velocities` (`(input_dim,)` with
-    `second_moment="rowwise"`), and with `bias_correction="per_row"` a
-    float32 `row_steps`. `iterations` is the layer's trainable variable,
-    which the model's optimizer overwrites with the value the lookup's
-    backward pass computes for it (`overwrite_with_gradient`); on JAX, whose
-    gradients cannot update state in place, the table and slots are
-    overwritten the same way (under `jax.jit` with donated state, as Keras's
-    trainer runs it, in place).
+    The state lives in the layer, saved with it (`model.save`, checkpoints);
+    `table_state` returns it by name, in the order saved: `embeddings`,
+    `iterations` (the table's step count, advanced once per training step:
+    float32, exact up to 2^24 steps), the float32 slots `momenta` and
+    `velocities` (`(input_dim,)` with `second_moment="rowwise"`), and with
+    `bias_correction="per_row"` a float32 `row_steps`. `iterations` is the
+    layer's trainable variable, which the model's optimizer overwrites with the
+    value the lookup's backward pass computes for it
+    (`overwrite_with_gradient`); on JAX, whose gradients cannot update state in
+    place, the table and slots are overwritten the same way (under `jax.jit`
+    with donated state, as Keras's trainer runs it, in place).
 
     With `lazy_adam=False` (ordinary Adam, in which a row not looked up
     keeps moving), a row's skipped steps are applied in closed form when it
@@ -351,17 +351,21 @@ class Embedding(keras.layers.Embedding):
         if self._table_optimizer is None:
             return super().save_own_variables(store)
         self.catch_up()
-        for i, variable in enumerate(self._saved_variables()):
+        for i, variable in enumerate(self.table_state().values()):
             store[str(i)] = variable
 
-    def _saved_variables(self):
-        window = () if self.catch_up_sums is None else (self.catch_up_sums,)
-        return (self._embeddings, self.iterations) + self._row_state()[1:] + window
+    def table_state(self) -> dict:
+        """With `optimizer`, once built: `{name: variable}` of the table and the state that trains it, in the
+        order saved: `embeddings`, `iterations`, `momenta`, `velocities`, then `row_steps` and
+        `catch_up_sums` where the optimizer's options have them."""
+        names = ("iterations", "momenta", "velocities", "row_steps", "catch_up_sums")
+        state = {"embeddings": self._embeddings, **{n: getattr(self, n) for n in names}}
+        return {name: variable for name, variable in state.items() if variable is not None}
 
     def load_own_variables(self, store):
         if self._table_optimizer is None:
             return super().load_own_variables(store)
-        variables = self._saved_variables()
+        variables = list(self.table_state().values())
         # Written before `lazy_adam=False` caught rows up (no sums, `row_steps` only with per-row bias
         # correction): every row was stepped every step, so is current.
         stepped_every_row = self.catch_up_sums is not None and len(store.keys()) in (4, 5)
