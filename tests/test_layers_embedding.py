@@ -324,6 +324,7 @@ def test_public_names_beyond_keras_embedding_are_documented():
         "catch_up_sums",
         "catch_up",
         "table_state",
+        "restart_catch_up_sums",
     }
     for name in added:
         assert (

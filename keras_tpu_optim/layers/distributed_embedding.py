@@ -581,7 +581,7 @@ class DistributedEmbedding(keras.layers.Layer):
                 # Saved caught up (`catch_up`): padding rows are current too.
                 fill = group.iterations.numpy() if name == "row_steps" else 0
                 variable.assign(np.concatenate(parts + [np.full(padding, fill, variable.dtype)]))
-            group._restart_catch_up_sums()  # every row is current
+            group.restart_catch_up_sums()  # every row is current
         for table in self._tables:
             rate = self._own_learning_rate(table)
             if rate is not None and f"{table.name}:learning_rate" in keys:

@@ -115,13 +115,14 @@ class Embedding(keras.layers.Embedding):
     cost of the rows looked up (docs/algorithms.md#ordinary-adam-at-the-cost-of-the-rows-looked-up).
     The state adds `row_steps` (the step each row is current at) and
     `catch_up_sums` (a window of sums shared by every row); each step also
-    brings a run of `input_dim / window` rows up to date, so that no row
-    falls more than the window behind. Lookups outside training read
-    caught-up rows, and saving brings the whole table up to date first;
-    `catch_up` does that for code that reads the variables directly
-    (`get_weights()`). With betas for which no short series reaches float32
-    accuracy (`beta_1 / sqrt(beta_2)` near 1, e.g. `beta_2=0.99` with
-    `beta_1=0.9`), every row is stepped every step instead.
+    brings a run of `input_dim / window` rows up to date, so that no row falls
+    more than the window behind. Lookups outside training read caught-up rows,
+    and saving brings the whole table up to date first; `catch_up` does that
+    for code that reads the variables directly (`get_weights()`), and code that
+    assigns them caught-up values calls `restart_catch_up_sums`. With betas for
+    which no short series reaches float32 accuracy (`beta_1 / sqrt(beta_2)`
+    near 1, e.g. `beta_2=0.99` with `beta_1=0.9`), every row is stepped every
+    step instead.
 
     Requirements, each checked where it can be: the layer is called once per
     training step (to look up several id tensors, concatenate them; checked
@@ -326,10 +327,12 @@ class Embedding(keras.layers.Embedding):
                 ops.cast(ops.concatenate([p[i] for p in pieces], axis=0), variable.dtype)
             )
         self.row_steps.assign(ops.zeros(self.row_steps.shape, "float32") + step)
-        self._restart_catch_up_sums()
+        self.restart_catch_up_sums()
 
-    def _restart_catch_up_sums(self):
-        """With every row current, the sums of rows behind are read no more: they start afresh."""
+    def restart_catch_up_sums(self):
+        """With `lazy_adam=False`: start the window of sums that rows behind are caught up from afresh. Call it
+        after assigning every row caught-up values (`row_steps` at `iterations`), as `catch_up` and loading do:
+        the old sums are read no more. Without `lazy_adam=False` there is nothing to do."""
         if self.catch_up_sums is not None:
             window = self.catch_up_sums.shape[1] - 1
             plan = catch_up_math.plan(*self._catch_up_key(), window)
@@ -382,7 +385,7 @@ class Embedding(keras.layers.Embedding):
             self.row_steps.assign(
                 ops.zeros(self.row_steps.shape, "float32") + self.iterations.value
             )
-            self._restart_catch_up_sums()
+            self.restart_catch_up_sums()
 
     def get_config(self):
         config = super().get_config()
