@@ -107,7 +107,7 @@ def _from_adam(table_name, adam):
             table_name, "its `keras.optimizers.Adam` has `amsgrad=True`, which is not supported."
         )
     config.pop("name", None)
-    config["learning_rate"] = adam._learning_rate
+    config["learning_rate"] = _private.raw_learning_rate(adam)
     if isinstance(config["learning_rate"], keras.Variable):
         config["learning_rate"] = float(ops.convert_to_numpy(config["learning_rate"]))
     return EmbeddingAdam(**config, sum_inside_sqrt=False), adam
