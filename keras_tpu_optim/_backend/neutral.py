@@ -7,6 +7,8 @@ import contextlib
 from keras import ops
 
 from keras_tpu_optim._math import adafactor as adafactor_math
+from keras_tpu_optim._math import catch_up, sparse_rows
+from keras_tpu_optim._math import embedding_adam as adam_math
 
 
 def cond(condition, true_fn, false_fn):
@@ -108,3 +110,115 @@ def dense_row_update(update_rows, gradient, variable, slots):
     new_values = update_rows(gradient, *(ops.convert_to_tensor(t) for t in (variable, *slots)))
     for target, value in zip((variable, *slots), new_values):
         target.assign(value)
+
+
+class LookupEvaluation:
+    """How a backend evaluates `trained_lookup`: its autograd hook, and its forms of the steps' gathers,
+    groupings and writes (here the neutral forms, in `keras.ops`)."""
+
+    def hook(self, forward, backward, ids, step, learning_rate, state, window, owner):
+        """The looked-up rows, `forward`'s, with `backward` run in the lookup's backward pass (the backend's)."""
+        raise NotImplementedError
+
+    def read_step(self, iterations):
+        """The value of `iterations` the step reads."""
+        return iterations.value
+
+    def grouped(self, every, table, owner):
+        """`(every, group, distinct, slot)` of a catch-up's ids, as `catch_up.looked_up` takes them."""
+        group = sparse_rows.id_ranks(every)
+        return (every, group, *sparse_rows.distinct_ids(every, group))
+
+    def gather(self, table, ids):
+        return ops.take(table, ids, axis=0)
+
+    segment_sum = staticmethod(ops.segment_sum)
+
+    def compiled(self, name, function, options, owner):
+        """`function`, or its compiled form where the backend compiles it."""
+        return function
+
+    def write_rows(self, targets, ids, new_rows):
+        """Write `new_rows` into the `targets` at `ids`: the new tables where state is immutable, else None."""
+        raise NotImplementedError
+
+    def sparse_step(self, targets, ids, values, update_rows, *, lazy, accumulate_duplicates, owner):
+        """EmbeddingAdam's step of the `targets` (the table, its slots) with the sparse gradient `(ids,
+        values)`: the new tables where state is immutable, else None, the step written in place by the
+        backend's `embedding_adam_step` of its own `sparse_gradient`."""
+        table = targets[0]
+        self.embedding_adam_step(
+            self.sparse_gradient(ids, values, table, lazy),
+            table,
+            targets[1:],
+            update_rows,
+            lazy=lazy,
+            accumulate_duplicates=accumulate_duplicates,
+            max_touched_rows=None,
+            owner=owner,
+        )
+
+
+def trained_lookup(
+    ids, state, iterations, arguments, *, lazy, accumulate_duplicates, window, owner, evaluation
+):
+    """The rows of the table `state[0]` (then its slots) at `ids`, trained in the lookup's backward pass:
+    every backend's sequence, which `evaluation` (the backend's `LookupEvaluation`) hooks into autograd.
+
+    The step's `(learning_rate, options)` are `arguments(step)`, read in the forward pass (where Keras maps
+    variables to the step's state). Without a catch-up `window`, the forward pass gathers the rows and the
+    backward pass steps the table and its slots with the lookup's gradient as EmbeddingAdam steps the
+    table's sparse gradient. With one (`_math.catch_up`), the forward pass reads the step's ids
+    (`read_ids`), gathers each distinct row once and catches it up; the backward pass steps those rows,
+    writes them and advances the window. The gradient of `iterations` is its next value.
+    """
+    ev = evaluation
+    step = ev.read_step(iterations)
+    learning_rate, options = arguments(step)
+
+    if window is None:
+
+        def forward(ids, step, learning_rate, tables, window):
+            return ops.take(tables[0], ids, axis=0), None
+
+        def backward(residuals, row_gradients, ids, step, learning_rate, targets, window):
+            values = ops.reshape(row_gradients, (-1,) + tuple(targets[0].shape[1:]))
+            new_tables = ev.sparse_step(
+                targets,
+                ops.reshape(ids, (-1,)),
+                values,
+                adam_math.RowUpdate(learning_rate, options),
+                lazy=lazy,
+                accumulate_duplicates=accumulate_duplicates,
+                owner=owner,
+            )
+            return new_tables, None
+
+    else:
+
+        def caught_up(rows, ids, every, group, distinct, slot, step, window):
+            return catch_up.looked_up(
+                rows, ids, every, group, step, window, options, distinct=distinct, slot=slot
+            )
+
+        def stepped(residuals, row_gradients, learning_rate, step, window):
+            distinct, new_rows = catch_up.stepped_rows(
+                residuals, row_gradients, learning_rate, step, options, segment_sum=ev.segment_sum
+            )
+            return new_rows, catch_up.advanced_window(window, learning_rate, step, options)
+
+        def forward(ids, step, learning_rate, tables, window):
+            every = catch_up.read_ids(ids, step, tables[0].shape[0], options)
+            every, group, distinct, slot = ev.grouped(every, tables[0], owner)
+            rows = [ev.gather(t, distinct) for t in tables]
+            return ev.compiled("catch_up_lookup", caught_up, options, owner)(
+                rows, ids, every, group, distinct, slot, step, window
+            )
+
+        def backward(residuals, row_gradients, ids, step, learning_rate, targets, window):
+            new_rows, new_window = ev.compiled("catch_up_step", stepped, options, owner)(
+                residuals, row_gradients, learning_rate, step, window
+            )
+            return ev.write_rows(targets, residuals[0], new_rows), new_window
+
+    return ev.hook(forward, backward, ids, step, learning_rate, state, window, owner)

@@ -13,7 +13,6 @@ from keras_tpu_optim._math import sparse_rows
 from keras_tpu_optim._backend.jax import rows
 from keras_tpu_optim._math import adafactor as adafactor_math
 from keras_tpu_optim._math import embedding_adam as adam_math
-from keras_tpu_optim._math import catch_up
 
 
 def platform_of(variable) -> str:
@@ -229,72 +228,52 @@ def _row_update(path, structure):
     return jax.jit(update)
 
 
-def trained_lookup(
-    ids, state, iterations, row_update_arguments, *, lazy, accumulate_duplicates, owner, window=None
-):
-    """The rows of `state[0]` (the table, then its slots) at `ids`; the backward pass returns, as the gradients
-    of the table, its slots and `iterations`, their values after the row update (`row_update_arguments(step)
-    -> (learning_rate, options)`, read in the forward pass, where Keras maps variables to the step's state),
-    which Keras's `overwrite_with_gradient` installs: in place under `jax.jit` with donated state.
-    Out-of-range ids gather as Keras's `take` does and update nothing. With a catch-up `window`
-    (`_math.catch_up`) the rows read are caught up, and the window's next value is its gradient."""
-    learning_rate, options = row_update_arguments(iterations.value)
+class _Lookup(neutral.LookupEvaluation):
+    """State is immutable: the backward pass returns, as the gradients of the table, its slots, the window and
+    `iterations`, their new values, which Keras's `overwrite_with_gradient` installs (in place under `jax.jit`
+    with donated state)."""
 
-    @jax.custom_vjp
-    def lookup(ids, step, learning_rate, window, *tables):
-        if window is None:
-            return ops.take(tables[0], ids, axis=0)
-        return catch_up.read_rows(tables, ids, step, window, options)
+    def hook(self, forward, backward, ids, step, learning_rate, state, window, owner):
+        @jax.custom_vjp
+        def lookup(ids, step, learning_rate, window, *tables):
+            return forward(ids, step, learning_rate, tables, window)[0]
 
-    def forward(ids, step, learning_rate, window, *tables):
-        if window is None:
-            caught_up = None
-            found = lookup(ids, step, learning_rate, window, *tables)
-        else:
-            every = catch_up.read_ids(ids, step, tables[0].shape[0], options)
-            found, caught_up = catch_up.looked_up(
-                tables, ids, every, sparse_rows.id_ranks(every), step, window, options,
-                gather=_filled_rows,
-            )  # fmt: skip
-        return found, (ids, step, learning_rate, window, tables, caught_up)
+        def saving(ids, step, learning_rate, window, *tables):
+            found, residuals = forward(ids, step, learning_rate, tables, window)
+            return found, (residuals, ids, step, learning_rate, window, tables)
 
-    def backward(residuals, row_gradients):
-        ids, step, learning_rate, window, tables, caught_up = residuals
-        if window is not None:
-            distinct, new_rows = catch_up.stepped_rows(
-                caught_up, row_gradients, learning_rate, step, options
+        def stepping(saved, row_gradients):
+            residuals, ids, step, learning_rate, window, tables = saved
+            new_tables, new_window = backward(
+                residuals, row_gradients, ids, step, learning_rate, tables, window
             )
-            new_tables = tuple(rows.scatter(t, distinct, r) for t, r in zip(tables, new_rows))
-            new_window = catch_up.advanced_window(window, learning_rate, step, options)
             return (None, step + 1, None, new_window, *new_tables)
-        flat_ids = ids.reshape(-1)
-        values = row_gradients.reshape((flat_ids.shape[0],) + tuple(tables[0].shape[1:]))
-        update_rows = adam_math.RowUpdate(learning_rate, options)
+
+        lookup.defvjp(saving, stepping)
+        window = None if window is None else window.value
+        return lookup(ids, step, learning_rate, window, *(t.value for t in state))
+
+    def gather(self, table, ids):
+        # An id past the table reads as `ops.take` reads it (NaN); its update is dropped.
+        return table.at[ids].get(mode="fill")
+
+    def write_rows(self, targets, ids, new_rows):
+        return tuple(rows.scatter(t, ids, r) for t, r in zip(targets, new_rows))
+
+    def sparse_step(self, targets, ids, values, update_rows, *, lazy, accumulate_duplicates, owner):
         if lazy:
             new_tables = rows.sparse_row_update(
-                update_rows, flat_ids, values, tables, accumulate_duplicates=accumulate_duplicates
+                update_rows, ids, values, targets, accumulate_duplicates=accumulate_duplicates
             )
         else:
             gradient = (
-                jax.numpy.zeros(tables[0].shape, values.dtype).at[flat_ids].add(values, mode="drop")
+                jax.numpy.zeros(targets[0].shape, values.dtype).at[ids].add(values, mode="drop")
             )
-            new_tables = update_rows(gradient, *tables)
-        new_tables = (new.astype(t.dtype) for new, t in zip(new_tables, tables))
-        return (None, step + 1, None, None, *new_tables)
-
-    lookup.defvjp(forward, backward)
-    return lookup(
-        ids,
-        iterations.value,
-        learning_rate,
-        None if window is None else window.value,
-        *(t.value for t in state),
-    )
+            new_tables = update_rows(gradient, *targets)
+        return tuple(new.astype(t.dtype) for new, t in zip(new_tables, targets))
 
 
-def _filled_rows(table, ids):
-    # An id past the table reads as `ops.take` reads it (NaN), as the lazy lookup does; its update is dropped.
-    return table.at[ids].get(mode="fill")
+trained_lookup = functools.partial(neutral.trained_lookup, evaluation=_Lookup())
 
 
 def lookup_trace(iterations):

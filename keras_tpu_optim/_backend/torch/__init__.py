@@ -14,8 +14,6 @@ from keras_tpu_optim._backend import neutral
 from keras_tpu_optim._backend.torch import adafactor, rows
 from keras_tpu_optim._backend.torch.rows import Scratch
 from keras_tpu_optim._math import adafactor as adafactor_math
-from keras_tpu_optim._math import embedding_adam as adam_math
-from keras_tpu_optim._math import catch_up
 
 
 cond = neutral.cond
@@ -196,79 +194,62 @@ def accumulation_rows(owner):
     return rows
 
 
-def trained_lookup(
-    ids, state, iterations, row_update_arguments, *, lazy, accumulate_duplicates, owner, window=None
-):
-    """The rows of `state[0]` at `ids`; the backward pass steps the table (and its slots) in place with the
-    lookup's gradient, as the table's sparse COO gradient, and returns `iterations + 1` as the gradient of
-    `iterations` (`row_update_arguments(step) -> (learning_rate, options)`). With a catch-up `window`
-    (`_math.catch_up`) the rows read are caught up and the window advanced."""
-    count = iterations.value
-    options = dict(
-        lazy=lazy, accumulate_duplicates=accumulate_duplicates, max_touched_rows=None, owner=owner
-    )
-    checked = not torch.compiler.is_compiling()  # else the step count here is the trace's
-    caught_up = {}  # With a catch-up `window` (`_math.catch_up`): the forward pass's rows.
+class _Lookup(neutral.LookupEvaluation):
+    """The backward pass writes the table, its slots and the window in place, and returns `iterations + 1` as
+    the gradient of `iterations`. The ids are grouped and their gradients summed by torch's own kernels
+    (Keras's segment ops replicate the ids to the rows' shape and scatter through a reduction)."""
 
-    def update(ids, row_gradients, step):
-        if checked:
-            _check_one_update_per_step(owner, count)
-        # With a window, the arguments the forward pass read (`read`).
-        learning_rate, row_options = caught_up.pop("arguments", None) or row_update_arguments(step)
-        if window is not None:
-            distinct, new_rows = catch_up.stepped_rows(
-                caught_up.pop("rows"),
-                row_gradients,
-                learning_rate,
-                step,
-                row_options,
-                segment_sum=_sum_rows,
+    def hook(self, forward, backward, ids, step, learning_rate, state, window, owner):
+        checked = not torch.compiler.is_compiling()  # else the step count here is the trace's
+        window_before = None if window is None else window.value
+        saved = []
+
+        def read(ids, step):
+            found, residuals = forward(
+                ids, step, learning_rate, [t.value for t in state], window_before
             )
-            for target, new in zip(state, new_rows):
-                target.value.index_copy_(0, distinct.long(), new.to(target.value.dtype))
-            window.assign(catch_up.advanced_window(window.value, learning_rate, step, row_options))
-            return
-        flat_ids = ids.reshape(-1).long()
-        values = row_gradients.reshape((flat_ids.shape[0],) + tuple(state[0].shape[1:]))
-        # Checked where `to_dense` reads the ids (the lazy path's index ops check them themselves).
-        gradient = torch.sparse_coo_tensor(
-            flat_ids[None], values, tuple(state[0].shape), check_invariants=not lazy
-        )
-        update_rows = adam_math.RowUpdate(learning_rate, row_options)
-        embedding_adam_step(gradient, state[0], state[1:], update_rows, **options)
+            saved.append(residuals)
+            return found
 
-    def read(ids, step):
-        if window is None:
-            return ops.take(state[0].value, ids, axis=0)
-        tables = tuple(t.value for t in state)
-        caught_up["arguments"] = row_update_arguments(step)
-        options = caught_up["arguments"][1]
-        every = catch_up.read_ids(ids, step, tables[0].shape[0], options)
+        def update(ids, row_gradients, step):
+            if checked:
+                _check_one_update_per_step(owner, state_step)
+            _, new_window = backward(
+                saved.pop(), row_gradients, ids, step, learning_rate, state, window_before
+            )
+            if window is not None:
+                window.assign(new_window)
+
+        state_step = step
+        return _TrainedLookup.apply(ids, step, state[0].value, update, read)
+
+    def grouped(self, every, table, owner):
         distinct, group = torch.unique(every, return_inverse=True)
-        found, caught_up["rows"] = catch_up.looked_up(
-            tables,
-            ids,
-            every,
-            group,
-            step,
-            window.value,
-            options,
-            gather=_take_rows,
-            distinct=distinct,
+        return every, group, distinct, None
+
+    def gather(self, table, ids):
+        return table.index_select(0, ids.long())
+
+    @staticmethod
+    def segment_sum(data, segment_ids, num_segments):
+        return data.new_zeros((num_segments,) + tuple(data.shape[1:])).index_add_(
+            0, segment_ids, data
         )
-        return found
 
-    return _TrainedLookup.apply(ids, count, state[0].value, update, read)
+    def write_rows(self, targets, ids, new_rows):
+        for target, new in zip(targets, new_rows):
+            target.value.index_copy_(0, ids.long(), new.to(target.value.dtype))
+
+    embedding_adam_step = staticmethod(embedding_adam_step)
+
+    def sparse_gradient(self, ids, values, table, lazy):
+        # Checked where `to_dense` reads the ids (the lazy path's index ops check them themselves).
+        return torch.sparse_coo_tensor(
+            ids.long()[None], values, tuple(table.shape), check_invariants=not lazy
+        )
 
 
-def _take_rows(table, ids):
-    return table.index_select(0, ids.long())
-
-
-# The catch-up's ids are grouped (`torch.unique`) and their gradients summed by torch's own kernels (Keras's
-# segment ops replicate the ids to the rows' shape and scatter through a reduction).
-def _sum_rows(data, segment_ids, num_segments):
-    return data.new_zeros((num_segments,) + tuple(data.shape[1:])).index_add_(0, segment_ids, data)
+trained_lookup = functools.partial(neutral.trained_lookup, evaluation=_Lookup())
 
 
 class _TrainedLookup(torch.autograd.Function):
