@@ -241,15 +241,17 @@ def _in_place_steps(param, grads, options, dtype, variable_index):
             None if momentum is None else tf.Variable(tf.cast(momentum, options.momentum_dtype))
         )
         for t, grad in enumerate(grads):
+            structure, option_values = adafactor_math.split_options(options)
             tf_adafactor.assigning_step(
                 tf.cast(grad, dtype),
                 value,
                 slots,
                 momentum,
-                learning_rate=tf.constant(0.3),
-                step=tf.constant(t + 1),
-                options=options,
-                variable_index=variable_index,
+                tf.constant(0.3),
+                tf.constant(t + 1),
+                variable_index,
+                option_values,
+                structure=structure,
                 chunk_elements=40,
             )
         results["blocked"] = tf.cast(value, tf.float32).numpy()

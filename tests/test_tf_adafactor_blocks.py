@@ -21,6 +21,7 @@ if BACKEND != "tensorflow":
 import tensorflow as tf  # noqa: E402
 
 from keras_tpu_optim._math import blocks  # noqa: E402
+from keras_tpu_optim._math import adafactor as adafactor_math  # noqa: E402
 from keras_tpu_optim._backend.tensorflow import adafactor as tf_adafactor  # noqa: E402
 from keras_tpu_optim._math.adafactor import AdafactorOptions  # noqa: E402
 from _adafactor_options import make_options  # noqa: E402  (tests/ is on pythonpath)
@@ -53,17 +54,28 @@ def make_state(shape, options):
     return slots, momentum
 
 
+def assigning_step(
+    grad, variable, slots, momentum, learning_rate, step, variable_index, options, **kwargs
+):
+    """`tf_adafactor.assigning_step` with `options` (its numbers split off as the compiled step passes them)."""
+    structure, values = adafactor_math.split_options(options)
+    return tf_adafactor.assigning_step(
+        grad, variable, slots, momentum, learning_rate, step, variable_index, values,
+        structure=structure, **kwargs,
+    )  # fmt: skip
+
+
 def stepper(options, chunk_elements, in_graph):
     def step(grad, variable, slots, momentum, learning_rate, step, variable_index=0):
-        tf_adafactor.assigning_step(
+        assigning_step(
             grad,
             variable,
             slots,
             momentum,
-            learning_rate=learning_rate,
-            step=step,
-            options=options,
-            variable_index=variable_index,
+            learning_rate,
+            step,
+            variable_index,
+            options,
             chunk_elements=chunk_elements,
         )
 
@@ -238,15 +250,8 @@ def test_reductions_are_block_sized_and_ordered():
 
     @tf.function(autograph=False)
     def step(grad):
-        tf_adafactor.assigning_step(
-            grad,
-            variable,
-            slots,
-            None,
-            learning_rate=0.01,
-            step=tf.constant(1),
-            options=options,
-            chunk_elements=chunk,
+        assigning_step(
+            grad, variable, slots, None, 0.01, tf.constant(1), 0, options, chunk_elements=chunk
         )
 
     graph = step.get_concrete_function(tf.TensorSpec(shape)).graph

@@ -95,15 +95,6 @@ def adafactor_group_steps(grads, variables, states, **step_numbers):
     return range(len(variables))
 
 
-def embedding_adam_step(gradient, variable, slots, update_rows, *, lazy, lazy_row_update, densify):
-    """One EmbeddingAdam step: the touched rows (`lazy_row_update(update_rows, gradient, variable, slots)`, the
-    backend's), or every row."""
-    if lazy:
-        lazy_row_update(update_rows, gradient, variable, slots)
-    else:
-        dense_row_update(update_rows, densify(gradient), variable, slots)
-
-
 def dense_row_update(update_rows, gradient, variable, slots):
     """Update every row (ordinary, non-lazy Adam)."""
     # TF's optimizer passes native tf.Variables; convert_to_tensor reads either kind.

@@ -69,7 +69,9 @@ def platform_of(variable) -> str:
 def embedding_adam_step(
     gradient, variable, slots, update_rows, *, lazy, accumulate_duplicates, max_touched_rows, owner
 ):
-    if lazy and not _private.in_stateless_scope() and rows.compiled_update_applies(gradient):
+    if not lazy:
+        neutral.dense_row_update(update_rows, densify(gradient), variable, slots)
+    elif not _private.in_stateless_scope() and rows.compiled_update_applies(gradient):
         rows.compiled_lazy_row_update(
             owner,
             update_rows,
@@ -78,18 +80,10 @@ def embedding_adam_step(
             slots,
             accumulate_duplicates=accumulate_duplicates,
         )
-        return
-    neutral.embedding_adam_step(
-        gradient,
-        variable,
-        slots,
-        update_rows,
-        lazy=lazy,
-        lazy_row_update=functools.partial(
-            rows.lazy_row_update, accumulate_duplicates=accumulate_duplicates
-        ),
-        densify=densify,
-    )
+    else:
+        rows.lazy_row_update(
+            update_rows, gradient, variable, slots, accumulate_duplicates=accumulate_duplicates
+        )
 
 
 def accumulation_rows(owner):

@@ -18,6 +18,7 @@ each variable's step compiled with XLA.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 
 import keras
@@ -148,7 +149,7 @@ def adafactor_step(gradient, variable, state, *, platform, owner, **numbers):
     update = compiled_function(
         owner,
         ("adafactor", structure, evaluation),
-        lambda: _assigning_update(structure, evaluation),
+        lambda: functools.partial(assigning_step, structure=structure, evaluation=evaluation),
         xla=not blocked,
     )
     with after_previous_step() as done:
@@ -167,41 +168,23 @@ def adafactor_step(gradient, variable, state, *, platform, owner, **numbers):
         )
 
 
-def _assigning_update(structure, evaluation):
-    """The step's function, with `evaluation` (None: in blocks of the variable's leading axis)."""
-
-    def update(grad, variable, slots, momentum, learning_rate, step, variable_index, option_values):
-        assignments = assigning_step(
-            grad,
-            variable,
-            slots,
-            momentum,
-            learning_rate=learning_rate,
-            step=step,
-            options=adafactor_math.joined_options(structure, option_values),
-            variable_index=variable_index,
-            evaluation=evaluation,
-        )
-        with tf.control_dependencies(assignments):
-            return tf.zeros([])  # done: the caller orders the next variable's step after it
-
-    return update
-
-
 def assigning_step(
     grad,
     variable,
     slots,
     momentum,
-    *,
     learning_rate,
     step,
-    options,
-    variable_index=0,
+    variable_index,
+    option_values,
+    *,
+    structure,
     evaluation=None,
     chunk_elements=blocks.CHUNK_ELEMENTS,
 ):
-    """One step of `tf.Variable`s through their assignments; returns them (graph) or [] (eager).
+    """One step of `tf.Variable`s through their assignments, the options `joined_options(structure,
+    option_values)` (the numbers are arguments: one trace serves every value); returns a tensor ready once
+    they are done, after which the caller orders the next variable's step.
 
     `evaluation` None: the sums in blocks of `chunk_elements`, each after the previous one's.
     """
@@ -217,7 +200,7 @@ def assigning_step(
         momentum,
         learning_rate=learning_rate,
         step=step,
-        options=options,
+        options=adafactor_math.joined_options(structure, option_values),
         variable_index=variable_index,
         evaluation=evaluation,
         assign=lambda target, value: assignments.append(target.assign(value, read_value=False)),
@@ -225,7 +208,8 @@ def assigning_step(
             target.assign_sub(value, read_value=False)
         ),
     )
-    return [op for op in assignments if op is not None]
+    with tf.control_dependencies([op for op in assignments if op is not None]):
+        return tf.zeros([])
 
 
 def _after(dependency):

@@ -175,18 +175,16 @@ def _new_group_plan(variables, states, key, platforms, options) -> tuple:
 def embedding_adam_step(
     gradient, variable, slots, update_rows, *, lazy, accumulate_duplicates, max_touched_rows, owner
 ):
-    neutral.embedding_adam_step(
+    if not lazy:
+        neutral.dense_row_update(update_rows, densify(gradient), variable, slots)
+        return
+    rows.lazy_row_update(
+        update_rows,
         gradient,
         variable,
         slots,
-        update_rows,
-        lazy=lazy,
-        lazy_row_update=functools.partial(
-            rows.lazy_row_update,
-            accumulate_duplicates=accumulate_duplicates,
-            scratch=scratch_of(owner),
-        ),
-        densify=densify,
+        accumulate_duplicates=accumulate_duplicates,
+        scratch=scratch_of(owner),
     )
 
 
