@@ -24,7 +24,7 @@ from keras_tpu_optim._math import embedding_adam as adam_math
 def apply_gradients(optimizer, grads, variables, keras_apply):
     """Keras's step (`keras_apply`), or ours where it must differ (module docstring)."""
     steps = optimizer.gradient_accumulation_steps
-    rows = backend.accumulation_rows(optimizer) if optimizer._accumulates_rows else None
+    rows = backend.accumulation_rows() if optimizer._accumulates_rows else None
     if steps and (rows is not None or backend.eager_branches(optimizer.iterations)):
         _accumulated_apply(optimizer, grads, variables, rows)
         return
@@ -45,10 +45,10 @@ def _accumulated_apply(optimizer, grads, variables, rows):
     `accumulation_rows`, or None), which provides:
 
     `sparse_entries(gradient)` (`(ids, values)`, None if dense), `add_to_window(accumulator, window, ids,
-    values, number, *, owner)`, `window_sizes(like, window, steps)` (static lengths to try for the list
+    values, number, *, cache)`, `window_sizes(like, window, steps)` (static lengths to try for the list
     of a window's rows, smallest first; `(None,)`: dynamic), `window_count(window, number)` and
-    `window_gradient(accumulator, window, number, steps, like, size, *, owner)` (the window's rows of
-    `accumulator / steps` as a sparse gradient like `like`, then zeroed); `owner` owns what they compile.
+    `window_gradient(accumulator, window, number, steps, like, size, *, cache)` (the window's rows of
+    `accumulator / steps` as a sparse gradient like `like`, then zeroed); `cache` keeps what they compile.
     """
     steps = optimizer.gradient_accumulation_steps
     is_update_step = ops.equal((_private.raw_iterations(optimizer) + 1) % steps, 0)
@@ -67,7 +67,9 @@ def _accumulated_apply(optimizer, grads, variables, rows):
     # A sparse gradient joins the window at every micro-step, the update step's included.
     for (gradient, acc, window), is_sparse in zip(pairs, sparse):
         if is_sparse:
-            rows.add_to_window(acc, window, *rows.sparse_entries(gradient), number, owner=optimizer)
+            rows.add_to_window(
+                acc, window, *rows.sparse_entries(gradient), number, cache=optimizer._backend_cache
+            )
     sizes = [
         rows.window_sizes(g, window, steps) if is_sparse else (None,)
         for (g, _, window), is_sparse in zip(pairs, sparse)
@@ -79,7 +81,13 @@ def _accumulated_apply(optimizer, grads, variables, rows):
             if is_sparse:
                 means.append(
                     rows.window_gradient(
-                        acc, window, number, steps, gradient, size[choice], owner=optimizer
+                        acc,
+                        window,
+                        number,
+                        steps,
+                        gradient,
+                        size[choice],
+                        cache=optimizer._backend_cache,
                     )
                 )
             else:

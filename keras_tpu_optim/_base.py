@@ -43,6 +43,8 @@ class OptimizerBase(keras.optimizers.Optimizer):
         _checks.check_base_arguments(**kwargs)
         _checks.check_layout_map(type(self), kwargs.get("name"))
         super().__init__(**kwargs)
+        # What the backend keeps for this optimizer (compiled functions, buffers), out of Keras's tracking.
+        self.__dict__["_backend_cache"] = {}
         self.skip_nonfinite_updates = _checks.check_bool(
             "skip_nonfinite_updates", skip_nonfinite_updates
         )

@@ -200,7 +200,7 @@ class Adafactor(OptimizerBase):
             options=self._options,
             variable_index=index,
             platform=self._platforms[index],
-            owner=self,
+            cache=self._backend_cache,
         )
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
@@ -215,7 +215,7 @@ class Adafactor(OptimizerBase):
             learning_rate=learning_rate,
             step=self.iterations + 1,
             options=self._options,
-            owner=self,
+            cache=self._backend_cache,
         )
         if left:
             super()._backend_update_step(

@@ -463,7 +463,7 @@ class EmbeddingAdam(OptimizerBase):
             lazy=self.lazy_adam,
             accumulate_duplicates=self.use_gradient_accumulation,
             max_touched_rows=self.max_touched_rows,
-            owner=self,
+            cache=self._backend_cache,
         )
 
     def get_config(self):

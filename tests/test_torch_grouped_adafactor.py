@@ -284,7 +284,7 @@ def test_chunks_of_a_group_give_the_same_numbers(monkeypatch):
         for step_grads in grads:
             optimizer.apply([torch.tensor(g) for g in step_grads], variables)
         results.append([_numpy(v) for v in variables])
-        _, plan = next(iter(torch_backend._plans[optimizer].values()))  # (alone, chunks)
+        _, plan = next(iter(optimizer._backend_cache["plans"].values()))  # (alone, chunks)
         assert [len(positions) for positions, _, _ in plan] == (
             [7] if chunk_elements > 1000 else [2, 2, 2, 1]
         )

@@ -44,7 +44,7 @@ def state_creation_scope():
     return contextlib.nullcontext()
 
 
-def accumulation_rows(owner):
+def accumulation_rows():
     """The row operations of `keras_tpu_optim._accumulation`, or None: sparse gradients densified first."""
     return None
 
@@ -107,15 +107,16 @@ class LookupEvaluation:
     """How a backend evaluates `trained_lookup`: its autograd hook, and its forms of the steps' gathers,
     groupings and writes (here the neutral forms, in `keras.ops`)."""
 
-    def hook(self, forward, backward, ids, step, learning_rate, state, window, owner):
-        """The looked-up rows, `forward`'s, with `backward` run in the lookup's backward pass (the backend's)."""
+    def hook(self, forward, backward, ids, step, learning_rate, state, window, cache, name):
+        """The looked-up rows, `forward`'s, with `backward` run in the lookup's backward pass (the backend's;
+        `cache`, `name`: the layer's)."""
         raise NotImplementedError
 
     def read_step(self, iterations):
         """The value of `iterations` the step reads."""
         return iterations.value
 
-    def grouped(self, every, table, owner):
+    def grouped(self, every, table, cache):
         """`(every, group, distinct, slot)` of a catch-up's ids, as `catch_up.looked_up` takes them."""
         group = sparse_rows.id_ranks(every)
         return (every, group, *sparse_rows.distinct_ids(every, group))
@@ -125,7 +126,7 @@ class LookupEvaluation:
 
     segment_sum = staticmethod(ops.segment_sum)
 
-    def compiled(self, name, function, options, owner):
+    def compiled(self, name, function, options, cache):
         """`function`, or its compiled form where the backend compiles it."""
         return function
 
@@ -133,7 +134,7 @@ class LookupEvaluation:
         """Write `new_rows` into the `targets` at `ids`: the new tables where state is immutable, else None."""
         raise NotImplementedError
 
-    def sparse_step(self, targets, ids, values, update_rows, *, lazy, accumulate_duplicates, owner):
+    def sparse_step(self, targets, ids, values, update_rows, *, lazy, accumulate_duplicates, cache):
         """EmbeddingAdam's step of the `targets` (the table, its slots) with the sparse gradient `(ids,
         values)`: the new tables where state is immutable, else None, the step written in place by the
         backend's `embedding_adam_step` of its own `sparse_gradient`."""
@@ -146,18 +147,29 @@ class LookupEvaluation:
             lazy=lazy,
             accumulate_duplicates=accumulate_duplicates,
             max_touched_rows=None,
-            owner=owner,
+            cache=cache,
         )
 
 
 def trained_lookup(
-    ids, state, iterations, arguments, *, lazy, accumulate_duplicates, window, owner, evaluation
+    ids,
+    state,
+    iterations,
+    learning_rate,
+    options,
+    *,
+    lazy,
+    accumulate_duplicates,
+    window,
+    cache,
+    name,
+    evaluation,
 ):
     """The rows of the table `state[0]` (then its slots) at `ids`, trained in the lookup's backward pass:
     every backend's sequence, which `evaluation` (the backend's `LookupEvaluation`) hooks into autograd.
 
-    The step's `(learning_rate, options)` are `arguments(step)`, read in the forward pass (where Keras maps
-    variables to the step's state). Without a catch-up `window`, the forward pass gathers the rows and the
+    `learning_rate` and `options` are the row update's for this step (`adam_math.RowUpdate`); `cache` and
+    `name` the layer's. Without a catch-up `window`, the forward pass gathers the rows and the
     backward pass steps the table and its slots with the lookup's gradient as EmbeddingAdam steps the
     table's sparse gradient. With one (`_math.catch_up`), the forward pass reads the step's ids
     (`read_ids`), gathers each distinct row once and catches it up; the backward pass steps those rows,
@@ -165,7 +177,6 @@ def trained_lookup(
     """
     ev = evaluation
     step = ev.read_step(iterations)
-    learning_rate, options = arguments(step)
 
     if window is None:
 
@@ -181,7 +192,7 @@ def trained_lookup(
                 adam_math.RowUpdate(learning_rate, options),
                 lazy=lazy,
                 accumulate_duplicates=accumulate_duplicates,
-                owner=owner,
+                cache=cache,
             )
             return new_tables, None
 
@@ -200,16 +211,16 @@ def trained_lookup(
 
         def forward(ids, step, learning_rate, tables, window):
             every = catch_up.read_ids(ids, step, tables[0].shape[0], options)
-            every, group, distinct, slot = ev.grouped(every, tables[0], owner)
+            every, group, distinct, slot = ev.grouped(every, tables[0], cache)
             rows = [ev.gather(t, distinct) for t in tables]
-            return ev.compiled("catch_up_lookup", caught_up, options, owner)(
+            return ev.compiled("catch_up_lookup", caught_up, options, cache)(
                 rows, ids, every, group, distinct, slot, step, window
             )
 
         def backward(residuals, row_gradients, ids, step, learning_rate, targets, window):
-            new_rows, new_window = ev.compiled("catch_up_step", stepped, options, owner)(
+            new_rows, new_window = ev.compiled("catch_up_step", stepped, options, cache)(
                 residuals, row_gradients, learning_rate, step, window
             )
             return ev.write_rows(targets, residuals[0], new_rows), new_window
 
-    return ev.hook(forward, backward, ids, step, learning_rate, state, window, owner)
+    return ev.hook(forward, backward, ids, step, learning_rate, state, window, cache, name)

@@ -148,7 +148,9 @@ class Embedding(keras.layers.Embedding):
 
     def __init__(self, input_dim, output_dim, *args, optimizer=None, **kwargs):
         self._table_optimizer = _check_optimizer(optimizer)
-        self.__dict__["_last_lookup_trace"] = None  # Not state: kept out of Keras's tracking.
+        # Not state: kept out of Keras's tracking. The cache: what the backend keeps for the lookup.
+        self.__dict__["_last_lookup_trace"] = None
+        self.__dict__["_backend_cache"] = {}
         if self._table_optimizer is not None:
             for argument in (
                 "embeddings_regularizer",
@@ -287,15 +289,19 @@ class Embedding(keras.layers.Embedding):
         self._check_one_lookup_per_step()
         _check_model_optimizer(self.name)
         optimizer = self._table_optimizer
+        # Read where Keras maps the variables to the step's state.
+        learning_rate, options = self._row_update_arguments(self.iterations.value)
         outputs = backend.trained_lookup(
             inputs,
             self._row_state(),
             self.iterations,
-            self._row_update_arguments,
+            learning_rate,
+            options,
             lazy=optimizer.lazy_adam,
             accumulate_duplicates=optimizer.use_gradient_accumulation,
-            owner=self,
             window=self.catch_up_sums,
+            cache=self._backend_cache,
+            name=self.name,
         )
         return ops.cast(outputs, dtype=self.compute_dtype)
 

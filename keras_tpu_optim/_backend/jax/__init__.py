@@ -121,7 +121,7 @@ unstacked.defvjp(lambda rows: (unstacked(rows), None), _stacked)
 
 
 def adafactor_step(
-    gradient, variable, state, *, learning_rate, step, options, variable_index, platform, owner
+    gradient, variable, state, *, learning_rate, step, options, variable_index, platform, cache
 ):
     """The neutral step with the platform's evaluation, as one `jax.jit` per options (inlined where traced)."""
     structure, values = adafactor_math.split_options(options)
@@ -177,7 +177,7 @@ def _adafactor_update(structure, evaluation):
 
 
 def embedding_adam_step(
-    gradient, variable, slots, update_rows, *, lazy, accumulate_duplicates, max_touched_rows, owner
+    gradient, variable, slots, update_rows, *, lazy, accumulate_duplicates, max_touched_rows, cache
 ):
     if not lazy:
         neutral.dense_row_update(update_rows, densify(gradient), variable, slots)
@@ -233,7 +233,7 @@ class _Lookup(neutral.LookupEvaluation):
     `iterations`, their new values, which Keras's `overwrite_with_gradient` installs (in place under `jax.jit`
     with donated state)."""
 
-    def hook(self, forward, backward, ids, step, learning_rate, state, window, owner):
+    def hook(self, forward, backward, ids, step, learning_rate, state, window, cache, name):
         @jax.custom_vjp
         def lookup(ids, step, learning_rate, window, *tables):
             return forward(ids, step, learning_rate, tables, window)[0]
@@ -260,7 +260,7 @@ class _Lookup(neutral.LookupEvaluation):
     def write_rows(self, targets, ids, new_rows):
         return tuple(rows.scatter(t, ids, r) for t, r in zip(targets, new_rows))
 
-    def sparse_step(self, targets, ids, values, update_rows, *, lazy, accumulate_duplicates, owner):
+    def sparse_step(self, targets, ids, values, update_rows, *, lazy, accumulate_duplicates, cache):
         if lazy:
             new_tables = rows.sparse_row_update(
                 update_rows, ids, values, targets, accumulate_duplicates=accumulate_duplicates

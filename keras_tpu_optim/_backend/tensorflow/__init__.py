@@ -67,13 +67,13 @@ def platform_of(variable) -> str:
 
 
 def embedding_adam_step(
-    gradient, variable, slots, update_rows, *, lazy, accumulate_duplicates, max_touched_rows, owner
+    gradient, variable, slots, update_rows, *, lazy, accumulate_duplicates, max_touched_rows, cache
 ):
     if not lazy:
         neutral.dense_row_update(update_rows, densify(gradient), variable, slots)
     elif not _private.in_stateless_scope() and rows.compiled_update_applies(gradient):
         rows.compiled_lazy_row_update(
-            owner,
+            cache,
             update_rows,
             gradient,
             variable,
@@ -86,7 +86,7 @@ def embedding_adam_step(
         )
 
 
-def accumulation_rows(owner):
+def accumulation_rows():
     return accumulation
 
 
@@ -97,7 +97,7 @@ class _Lookup(neutral.LookupEvaluation):
     ids checked first (a gather in XLA would clip them). Refused under a `tf.distribute` strategy: each
     replica would update the table."""
 
-    def hook(self, forward, backward, ids, step, learning_rate, state, window, owner):
+    def hook(self, forward, backward, ids, step, learning_rate, state, window, cache, name):
         window_before = None if window is None else tf.convert_to_tensor(window.value)
         found, residuals = forward(
             ids, step, learning_rate, [native_variable(t) for t in state], window_before
@@ -127,9 +127,9 @@ class _Lookup(neutral.LookupEvaluation):
             )
         return tf.convert_to_tensor(iterations.value)
 
-    def grouped(self, every, table, owner):
+    def grouped(self, every, table, cache):
         if not compiling_helps():
-            return super().grouped(every, table, owner)
+            return super().grouped(every, table, cache)
         every = rows.checked_indices(every, tf.shape(table, out_type=every.dtype)[0], table)
         group = tf.unique(every, out_idx=tf.int32).idx
         return (every, group, *sparse_rows.distinct_ids(every, group))
@@ -137,10 +137,10 @@ class _Lookup(neutral.LookupEvaluation):
     def gather(self, table, ids):
         return tf.gather(table, ids)
 
-    def compiled(self, name, function, options, owner):
+    def compiled(self, name, function, options, cache):
         if not compiling_helps():
             return function
-        return compiled_function(owner, (name, options), lambda: function)
+        return compiled_function(cache, (name, options), lambda: function)
 
     def write_rows(self, targets, ids, new_rows):
         for target, new in zip(targets, new_rows):

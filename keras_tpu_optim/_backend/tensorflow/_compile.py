@@ -1,8 +1,6 @@
-"""Compiling TF updates with XLA where nothing else compiles them, one trace per owner."""
+"""Compiling TF updates with XLA where nothing else compiles them, one trace per optimizer or layer."""
 
 from __future__ import annotations
-
-import weakref
 
 import keras
 import tensorflow as tf
@@ -23,17 +21,17 @@ def compiling_helps() -> bool:
     return not tf.distribute.has_strategy() and not _private.tf_in_xla_context()
 
 
-# Per owner (an optimizer), its compiled functions by key; and those called eagerly, by key alone.
-_compiled: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# The functions called eagerly, by key alone (traced ones are in their optimizer's or layer's cache).
 _eager: dict = {}
 
 
-def compiled_function(owner, key, make, *, xla: bool = True):
-    """`tf.function(make(), jit_compile=True, autograph=False)`, made once per `(owner, key)` (`key` names all
-    `make` depends on): a trace made in one model's train function must not be called from another's. Eager
+def compiled_function(cache, key, make, *, xla: bool = True):
+    """`tf.function(make(), jit_compile=True, autograph=False)`, made once per `key` (which names all `make`
+    depends on) in `cache`, its optimizer's or layer's: a trace made in one model's train function must not
+    be called from another's. Eager
     calls take every variable as an argument: one function per key serves every optimizer. With
     `xla=False`, a graph function TF runs with its own kernels, never inlined."""
-    functions = _eager if tf.executing_eagerly() else _compiled.setdefault(owner, {})
+    functions = _eager if tf.executing_eagerly() else cache
     key = (key, xla)
     function = functions.get(key)
     if function is None:

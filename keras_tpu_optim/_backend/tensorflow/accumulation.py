@@ -26,15 +26,15 @@ def sparse_entries(gradient):
     return tf.cast(indices, tf.int32), values
 
 
-def add_to_window(accumulator, window, ids, values, number, *, owner):
+def add_to_window(accumulator, window, ids, values, number, *, cache):
     """Add the rows `values` into `accumulator` at `ids` (duplicates add up) and mark them `number` in `window`.
 
-    Outside XLA, compiled with XLA, belonging to `owner` (TF's own scatter kernels take several
+    Outside XLA, compiled with XLA, belonging to `cache` (TF's own scatter kernels take several
     milliseconds on a large table; XLA's update it in place).
     """
     targets = [native_variable(accumulator), native_variable(window)]
     if compiling_helps():
-        add = compiled_function(owner, "add_to_window", lambda: _add_to_window)
+        add = compiled_function(cache, "add_to_window", lambda: _add_to_window)
         add(ids, values, tf.cast(number, tf.int32), targets)
     else:
         _add_to_window(ids, values, number, targets)
@@ -64,7 +64,7 @@ def window_count(window, number):
     return tf.reduce_sum(tf.cast(tf.equal(native_variable(window), number), tf.int32))
 
 
-def window_gradient(accumulator, window, number, steps, like, size, *, owner):
+def window_gradient(accumulator, window, number, steps, like, size, *, cache):
     """The rows of the window (`window == number`) of `accumulator / steps`, as an IndexedSlices; those rows zeroed.
 
     One scan of `window` lists the rows: outside XLA (`size` None) padded to a
@@ -77,7 +77,7 @@ def window_gradient(accumulator, window, number, steps, like, size, *, owner):
         ids, real = _bucketed_window_rows(targets[1], number)
         window_mean = _window_mean
         if compiling_helps():
-            window_mean = compiled_function(owner, "window_mean", lambda: _window_mean)
+            window_mean = compiled_function(cache, "window_mean", lambda: _window_mean)
         mean = window_mean(ids, real, float(steps), targets)
     else:
         ids, real = _static_window_rows(targets[1], number, size)

@@ -123,7 +123,7 @@ def adafactor_evaluation(platform: str) -> adafactor_math.Evaluation:
     return CPU_EVALUATION if platform == "cpu" else adafactor_math.NEUTRAL
 
 
-def adafactor_step(gradient, variable, state, *, platform, owner, **numbers):
+def adafactor_step(gradient, variable, state, *, platform, cache, **numbers):
     """One step, evaluated as measured for where it runs.
 
     Under XLA (`jit_compile=True`), under a `tf.distribute` strategy (its
@@ -147,7 +147,7 @@ def adafactor_step(gradient, variable, state, *, platform, owner, **numbers):
     blocked = platform == "cpu" and keras.backend.standardize_dtype(variable.dtype) == "float32"
     evaluation = None if blocked else evaluation
     update = compiled_function(
-        owner,
+        cache,
         ("adafactor", structure, evaluation),
         lambda: functools.partial(assigning_step, structure=structure, evaluation=evaluation),
         xla=not blocked,

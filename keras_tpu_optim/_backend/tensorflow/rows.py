@@ -66,7 +66,7 @@ def compiled_update_applies(gradient) -> bool:
 
 
 def compiled_lazy_row_update(
-    owner, update_rows, gradient, variable, slots, *, accumulate_duplicates
+    cache, update_rows, gradient, variable, slots, *, accumulate_duplicates
 ):
     """`sparse_row_update` of an IndexedSlices gradient outside XLA, as one XLA computation.
 
@@ -80,7 +80,7 @@ def compiled_lazy_row_update(
     """
     structure, option_values = adam_math.split_options(update_rows.options)
     update = compiled_function(
-        owner,
+        cache,
         ("lazy_row_update", structure, accumulate_duplicates),
         lambda: _compilable_update(structure, accumulate_duplicates),
     )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 
 import torch
 from keras import ops
@@ -22,9 +21,6 @@ apply_if = neutral.apply_if  # Eager: a Python branch.
 state_creation_scope = neutral.state_creation_scope
 unstacked = neutral.unstacked
 checked_gradient = neutral.checked_gradient
-
-# The scratch of each optimizer's (and `layers.Embedding`'s) row steps, released with its owner.
-_scratches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def platform_of(variable) -> str:
@@ -51,18 +47,19 @@ def blocked_adafactor_applies(platform: str) -> bool:
     return platform == "cpu"
 
 
-def scratch_of(owner) -> Scratch:
+def scratch_of(cache) -> Scratch:
+    """The scratch of an optimizer's (or `layers.Embedding`'s) row steps, kept in its `cache`."""
     if torch.compiler.is_compiling():
-        # A fresh one, not the owner's: its buffers are the compiled graph's own temporaries, and the
+        # A fresh one, not the cache's: its buffers are the compiled graph's own temporaries, and the
         # graph reads no cache whose filling would make it recompile.
         return Scratch()
-    scratch = _scratches.get(owner)
+    scratch = cache.get("scratch")
     if scratch is None:
-        scratch = _scratches[owner] = Scratch()
+        scratch = cache["scratch"] = Scratch()
     return scratch
 
 
-def adafactor_step(gradient, variable, state, *, platform, owner, **numbers):
+def adafactor_step(gradient, variable, state, *, platform, cache, **numbers):
     """`numbers`: the step's `learning_rate`, `step`, `options` and `variable_index`."""
     if _private.in_stateless_scope() or not blocked_adafactor_applies(platform):
         neutral.adafactor_step(
@@ -103,13 +100,13 @@ _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def adafactor_group_steps(
-    grads, variables, states, *, indices, platforms, learning_rate, step, options, owner
+    grads, variables, states, *, indices, platforms, learning_rate, step, options, cache
 ):
     """Step the variables on a grouped platform by group (`adafactor.grouped_step`); return the positions of
     the others, each stepped by itself."""
     if _private.in_stateless_scope():
         return range(len(variables))
-    alone, groups = _group_plan(owner, variables, states, indices, platforms, options)
+    alone, groups = _group_plan(cache, variables, states, indices, platforms, options)
     if groups:
         learning_rate, step = ops.convert_to_tensor(learning_rate), ops.convert_to_tensor(step)
     for positions, group_indices, axes in groups:
@@ -133,16 +130,12 @@ def adafactor_group_steps(
     return alone
 
 
-# Each optimizer's plan of its steps, by the list of variables a step updates.
-_plans: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _group_plan(owner, variables, states, indices, platforms, options) -> tuple:
+def _group_plan(cache, variables, states, indices, platforms, options) -> tuple:
     """`(alone, groups)`: the positions in `variables` of those stepped one at a time (Keras's loop), and
     `(positions, indices, axes)` per chunk of a group: the chunk's positions, its variables' indices in the
-    optimizer (an int32 tensor), its factored axes. Computed once per list of variables."""
+    optimizer (an int32 tensor), its factored axes. Computed once per list of variables (kept in `cache`)."""
     key = tuple(indices)
-    plans = {} if torch.compiler.is_compiling() else _plans.setdefault(owner, {})
+    plans = {} if torch.compiler.is_compiling() else cache.setdefault("plans", {})
     plan = plans.get(key)  # traced once when compiling: no cache to guard on
     if plan is None:
         plan = plans[key] = _new_group_plan(variables, states, key, platforms, options)
@@ -173,7 +166,7 @@ def _new_group_plan(variables, states, key, platforms, options) -> tuple:
 
 
 def embedding_adam_step(
-    gradient, variable, slots, update_rows, *, lazy, accumulate_duplicates, max_touched_rows, owner
+    gradient, variable, slots, update_rows, *, lazy, accumulate_duplicates, max_touched_rows, cache
 ):
     if not lazy:
         neutral.dense_row_update(update_rows, densify(gradient), variable, slots)
@@ -184,11 +177,11 @@ def embedding_adam_step(
         variable,
         slots,
         accumulate_duplicates=accumulate_duplicates,
-        scratch=scratch_of(owner),
+        scratch=scratch_of(cache),
     )
 
 
-def accumulation_rows(owner):
+def accumulation_rows():
     return rows
 
 
@@ -197,7 +190,7 @@ class _Lookup(neutral.LookupEvaluation):
     the gradient of `iterations`. The ids are grouped and their gradients summed by torch's own kernels
     (Keras's segment ops replicate the ids to the rows' shape and scatter through a reduction)."""
 
-    def hook(self, forward, backward, ids, step, learning_rate, state, window, owner):
+    def hook(self, forward, backward, ids, step, learning_rate, state, window, cache, name):
         checked = not torch.compiler.is_compiling()  # else the step count here is the trace's
         window_before = None if window is None else window.value
         saved = []
@@ -211,7 +204,7 @@ class _Lookup(neutral.LookupEvaluation):
 
         def update(ids, row_gradients, step):
             if checked:
-                _check_one_update_per_step(owner, state_step)
+                _check_one_update_per_step(cache, name, state_step)
             _, new_window = backward(
                 saved.pop(), row_gradients, ids, step, learning_rate, state, window_before
             )
@@ -221,7 +214,7 @@ class _Lookup(neutral.LookupEvaluation):
         state_step = step
         return _TrainedLookup.apply(ids, step, state[0].value, update, read)
 
-    def grouped(self, every, table, owner):
+    def grouped(self, every, table, cache):
         distinct, group = torch.unique(every, return_inverse=True)
         return every, group, distinct, None
 
@@ -265,30 +258,27 @@ class _TrainedLookup(torch.autograd.Function):
         return None, step + 1, None, None, None
 
 
-# Each trained layer's step count (the tensor and its in-place version) at its table's last update.
-_last_updates: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _check_one_update_per_step(owner, iterations):
-    """Raise if the table was updated at this value of `iterations` already.
+def _check_one_update_per_step(cache, name, iterations):
+    """Raise if the table was updated at this value of `iterations` already (`cache` keeps the step count,
+    the tensor and its in-place version, at the table's last update).
 
     The model's optimizer advances `iterations` (in place, which bumps the
     tensor's version) after each step's backward pass; a second backward pass
     before that is a second lookup in one step. Read without a host sync.
     """
     key = (id(iterations), iterations._version)
-    if _last_updates.get(owner) == key:
-        del _last_updates[
-            owner
+    if cache.get("last_update") == key:
+        del cache[
+            "last_update"
         ]  # the next step, once the model's optimizer has run, is a fresh one
         raise ValueError(
-            f"keras_tpu_optim.layers.Embedding '{owner.name}' with `optimizer` is called twice in one training "
+            f"keras_tpu_optim.layers.Embedding '{name}' with `optimizer` is called twice in one training "
             "step (its table was updated at this step already); each call would update the table by itself. Look "
             "all ids up in one call (concatenate them), or use a layer without `optimizer`. (The same is raised "
             "when the model's optimizer did not advance the layer's `iterations` since the last update: it must "
             "receive the layer's trainable variables.)"
         )
-    _last_updates[owner] = key
+    cache["last_update"] = key
 
 
 def lookup_trace(iterations):

@@ -17,7 +17,7 @@ from keras_tpu_optim._math import embedding_adam as adam_math
 
 
 class Scratch:
-    """One owner's buffers (an optimizer's, a layer's), one per `(slot, dtype)`, grown as needed and reused."""
+    """One cache's buffers (an optimizer's, a layer's), one per `(slot, dtype)`, grown as needed and reused."""
 
     def __init__(self):
         self._buffers = {}
@@ -182,7 +182,7 @@ def sparse_entries(gradient):
 
 
 @torch.no_grad()
-def add_to_window(accumulator, window, ids, values, number, *, owner=None):
+def add_to_window(accumulator, window, ids, values, number, *, cache=None):
     """Add the rows `values` into `accumulator` at `ids` (duplicates add up) and mark them `number` in `window`."""
     accumulator.value.index_add_(0, ids, values.to(accumulator.value.dtype))
     window.value.index_fill_(0, ids, number)
@@ -194,7 +194,7 @@ def window_sizes(like, window, steps):
 
 
 @torch.no_grad()
-def window_gradient(accumulator, window, number, steps, like, size=None, *, owner=None):
+def window_gradient(accumulator, window, number, steps, like, size=None, *, cache=None):
     """The rows of the window (`window == number`) of `accumulator / steps`, a coalesced sparse COO; those rows zeroed.
 
     One scan of `window` lists the rows (increasing, unique).
