@@ -63,7 +63,8 @@ def adafactor_step(
     assign=None,
     assign_sub=None,
 ):
-    """One Adafactor step of `variable`, its `slots` and `momentum` (or None), through `assign`s."""
+    """One Adafactor step of `variable`, its `slots` and `momentum` (or None), through `assign(target, value)`
+    and `assign_sub` (default: the variables' own; `assign` alone: functionally, no subtraction in place)."""
     delta, new_slots, new_momentum = adafactor_math.float32_update(
         gradient,
         ops.convert_to_tensor(variable),
@@ -74,7 +75,11 @@ def adafactor_step(
         options=options,
         evaluation=evaluation,
     )
-    assign = assign or (lambda target, value: target.assign(value))
+    if assign is None:
+        assign, assign_sub = (
+            (lambda t, value: t.assign(value)),
+            (lambda t, value: t.assign_sub(value)),
+        )
     for slot, value in zip(slots, new_slots):
         assign(slot, value)
     adafactor_math.write_back(
@@ -84,7 +89,7 @@ def adafactor_step(
         new_momentum,
         rounding=adafactor_math.rounding(options, step, variable_index, variable.shape),
         assign=assign,
-        assign_sub=assign_sub or (lambda target, value: target.assign_sub(value)),
+        assign_sub=assign_sub,
         value=lambda: ops.convert_to_tensor(variable),
     )
 

@@ -151,27 +151,24 @@ def _adafactor_update(structure, evaluation):
     def update(
         gradient, variable, slots, momentum, learning_rate, step, variable_index, option_values
     ):
-        options = adafactor_math.joined_options(structure, option_values)
-        delta, new_slots, new_momentum = adafactor_math.float32_update(
+        new = {}  # The neutral step, functionally: each array's new value by its identity.
+        neutral.adafactor_step(
             gradient,
             variable,
             slots,
             momentum,
             learning_rate=learning_rate,
             step=step,
-            options=options,
+            options=adafactor_math.joined_options(structure, option_values),
+            variable_index=variable_index,
             evaluation=evaluation,
+            assign=lambda target, value: new.__setitem__(id(target), value),
         )
-        new = {}  # by `write_back`, functionally: no `assign_sub`
-        adafactor_math.write_back(
-            variable,
-            delta,
-            momentum,
-            new_momentum,
-            rounding=adafactor_math.rounding(options, step, variable_index, variable.shape),
-            assign=lambda target, value: new.__setitem__(target is momentum, value),
+        return (
+            new[id(variable)],
+            tuple(new[id(s)] for s in slots),
+            None if momentum is None else new[id(momentum)],
         )
-        return new[False], new_slots, new.get(True)
 
     return jax.jit(update)
 
