@@ -44,6 +44,14 @@ def state_creation_scope():
     return contextlib.nullcontext()
 
 
+def dense_ids(ids, weights, width):
+    """`(ids, present, weights)`: a feature's ids as a dense tensor. A ragged or sparse input (the backend's
+    kinds) is padded to `width` where given (longer rows truncated, as keras-rs does), with `present`
+    marking its entries and `weights` zero elsewhere (ones where it has none); any other input is returned
+    as it is, with `present` None."""
+    return ids, None, weights
+
+
 def accumulation_rows():
     """The row operations of `keras_tpu_optim._accumulation`, or None: sparse gradients densified first."""
     return None

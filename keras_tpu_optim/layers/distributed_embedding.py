@@ -48,6 +48,29 @@ class TableConfig:
     combiner: str = "mean"
     placement: str = "auto"
 
+    def get_config(self):
+        """The config as plain values (also of a keras-rs `TableConfig`: `TableConfig.get_config(config)`)."""
+        optimizer = self.optimizer
+        if isinstance(optimizer, keras.optimizers.Optimizer):
+            optimizer = keras.optimizers.serialize(optimizer)
+        return dict(
+            name=self.name,
+            vocabulary_size=self.vocabulary_size,
+            embedding_dim=self.embedding_dim,
+            initializer=keras.initializers.serialize(keras.initializers.get(self.initializer)),
+            optimizer=optimizer,
+            combiner=self.combiner,
+            placement=getattr(self, "placement", "auto"),
+        )
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["initializer"] = keras.initializers.deserialize(config["initializer"])
+        if isinstance(config["optimizer"], dict):
+            config["optimizer"] = keras.optimizers.deserialize(config["optimizer"])
+        return cls(**config)
+
 
 @dataclasses.dataclass(eq=False)
 class FeatureConfig:
@@ -58,6 +81,25 @@ class FeatureConfig:
     table: TableConfig
     input_shape: Optional[tuple] = None
     output_shape: Optional[tuple] = None
+
+    def get_config(self):
+        """The config as plain values, its table by name (also of a keras-rs `FeatureConfig`)."""
+        return dict(
+            name=self.name,
+            table=self.table.name,
+            input_shape=None if self.input_shape is None else list(self.input_shape),
+            output_shape=None if self.output_shape is None else list(self.output_shape),
+        )
+
+    @classmethod
+    def from_config(cls, config, tables):
+        """The feature of `config`, its table from `tables` (`{name: TableConfig}`)."""
+        return cls(
+            name=config["name"],
+            table=tables[config["table"]],
+            input_shape=None if config["input_shape"] is None else tuple(config["input_shape"]),
+            output_shape=None if config["output_shape"] is None else tuple(config["output_shape"]),
+        )
 
 
 def _table_error(table_name, message):
@@ -130,50 +172,6 @@ def _padded_rows(rows):
     multiple of 1,024 (of a power of two below that), so that a layout splits it over devices evenly."""
     multiple = min(1024, 1 << rows.bit_length())
     return -(-(rows + 1) // multiple) * multiple
-
-
-def _dense_ids(ids, weights, feature):
-    """`(ids, present, weights)`: a feature's ids as a dense tensor; for a ragged (TF) or sparse (TF, JAX)
-    input, padded to `input_shape`'s width where given (longer rows truncated, as keras-rs does), with
-    `present` marking its entries and `weights` zero elsewhere (ones where it has none); else `present`
-    None and the inputs as they are."""
-    backend = keras.backend.backend()
-    width = (getattr(feature, "input_shape", None) or (None, None))[-1]
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        if isinstance(ids, tf.RaggedTensor):
-            shape = [None, width]
-            present = tf.ones_like(ids, tf.bool).to_tensor(False, shape=shape)
-            weights = tf.cast(tf.ones_like(ids) if weights is None else weights, tf.float32)
-            return ids.to_tensor(0, shape=shape), present, weights.to_tensor(0.0, shape=shape)
-        if isinstance(ids, tf.SparseTensor):
-            if width is not None:
-                ids = tf.sparse.slice(ids, [0, 0], [ids.dense_shape[0], width])
-                ids = tf.SparseTensor(ids.indices, ids.values, [ids.dense_shape[0], width])
-            ones = tf.SparseTensor(
-                ids.indices, tf.ones_like(ids.values, tf.float32), ids.dense_shape
-            )
-            present = tf.sparse.to_dense(ones) > 0
-            if weights is None:
-                weights = ones
-            weights = (
-                tf.sparse.to_dense(weights) if isinstance(weights, tf.SparseTensor) else weights
-            )
-            return tf.sparse.to_dense(ids), present, tf.cast(weights, tf.float32)
-    if backend == "jax":
-        from jax.experimental import sparse as jax_sparse
-
-        if isinstance(ids, jax_sparse.JAXSparse):
-            ones = jax_sparse.BCOO(
-                (ops.ones_like(ids.data, "float32"), ids.indices), shape=ids.shape
-            ).todense()
-            if weights is None:
-                weights = ones
-            elif isinstance(weights, jax_sparse.JAXSparse):
-                weights = weights.todense()
-            return ids.todense(), ones > 0, weights
-    return ids, None, weights
 
 
 def _optimizer_key(optimizer):
@@ -413,7 +411,10 @@ class DistributedEmbedding(keras.layers.Layer):
         self._check_group_optimizers()
         present = [None] * len(flat)
         for i, feature in enumerate(self._features):
-            flat[i], present[i], flat_weights[i] = _dense_ids(flat[i], flat_weights[i], feature)
+            width = (getattr(feature, "input_shape", None) or (None, None))[-1]
+            flat[i], present[i], flat_weights[i] = backend.dense_ids(
+                flat[i], flat_weights[i], width
+            )
             self._check_shape(feature, tuple(flat[i].shape))
         outputs = [None] * len(flat)
         for group, members in zip(self._grouping.groups, self._grouping.features):
@@ -589,31 +590,9 @@ class DistributedEmbedding(keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-
-        def table_config(t):
-            optimizer = t.optimizer
-            if isinstance(optimizer, keras.optimizers.Optimizer):
-                optimizer = keras.optimizers.serialize(optimizer)
-            return dict(
-                name=t.name,
-                vocabulary_size=t.vocabulary_size,
-                embedding_dim=t.embedding_dim,
-                initializer=keras.initializers.serialize(keras.initializers.get(t.initializer)),
-                optimizer=optimizer,
-                combiner=t.combiner,
-                placement=getattr(t, "placement", "auto"),
-            )
-
-        config["tables"] = [table_config(t) for t in self._tables]
-        config["features"] = [
-            dict(
-                name=f.name,
-                table=f.table.name,
-                input_shape=None if f.input_shape is None else list(f.input_shape),
-                output_shape=None if f.output_shape is None else list(f.output_shape),
-            )
-            for f in self._features
-        ]
+        # keras-rs's configs are saved as ours (they load as ours).
+        config["tables"] = [TableConfig.get_config(t) for t in self._tables]
+        config["features"] = [FeatureConfig.get_config(f) for f in self._features]
         # The structure, with each feature's position in `features` for the feature.
         config["feature_configs"] = keras.tree.pack_sequence_as(
             self.feature_configs, list(range(len(self._features)))
@@ -626,22 +605,8 @@ class DistributedEmbedding(keras.layers.Layer):
     @classmethod
     def from_config(cls, config):
         config = dict(config)
-        tables = {}
-        for t in config.pop("tables"):
-            t = dict(t)
-            t["initializer"] = keras.initializers.deserialize(t["initializer"])
-            if isinstance(t["optimizer"], dict):
-                t["optimizer"] = keras.optimizers.deserialize(t["optimizer"])
-            tables[t["name"]] = TableConfig(**t)
-        features = [
-            FeatureConfig(
-                name=f["name"],
-                table=tables[f["table"]],
-                input_shape=None if f["input_shape"] is None else tuple(f["input_shape"]),
-                output_shape=None if f["output_shape"] is None else tuple(f["output_shape"]),
-            )
-            for f in config.pop("features")
-        ]
+        tables = {t["name"]: TableConfig.from_config(t) for t in config.pop("tables")}
+        features = [FeatureConfig.from_config(f, tables) for f in config.pop("features")]
         config["feature_configs"] = keras.tree.map_structure(
             lambda i: features[i], config["feature_configs"]
         )

@@ -92,6 +92,19 @@ def adafactor_evaluation(platform: str) -> adafactor_math.Evaluation:
     return CPU_EVALUATION if platform == "cpu" else adafactor_math.NEUTRAL
 
 
+def dense_ids(ids, weights, width):
+    """(`neutral.dense_ids`) JAX's sparse arrays (BCOO)."""
+    if not isinstance(ids, jax_sparse.JAXSparse):
+        return ids, None, weights
+    ones = jax_sparse.BCOO((ops.ones_like(ids.data, "float32"), ids.indices), shape=ids.shape)
+    ones = ones.todense()
+    if weights is None:
+        weights = ones
+    elif isinstance(weights, jax_sparse.JAXSparse):
+        weights = weights.todense()
+    return ids.todense(), ones > 0, weights
+
+
 def eager_branches(iterations) -> bool:
     return concrete(iterations)
 

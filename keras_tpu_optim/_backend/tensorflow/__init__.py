@@ -86,6 +86,24 @@ def embedding_adam_step(
         )
 
 
+def dense_ids(ids, weights, width):
+    """(`neutral.dense_ids`) TF's ragged and sparse tensors."""
+    if isinstance(ids, tf.RaggedTensor):
+        shape = [None, width]
+        present = tf.ones_like(ids, tf.bool).to_tensor(False, shape=shape)
+        weights = tf.cast(tf.ones_like(ids) if weights is None else weights, tf.float32)
+        return ids.to_tensor(0, shape=shape), present, weights.to_tensor(0.0, shape=shape)
+    if not isinstance(ids, tf.SparseTensor):
+        return ids, None, weights
+    if width is not None:
+        ids = tf.sparse.slice(ids, [0, 0], [ids.dense_shape[0], width])
+        ids = tf.SparseTensor(ids.indices, ids.values, [ids.dense_shape[0], width])
+    ones = tf.SparseTensor(ids.indices, tf.ones_like(ids.values, tf.float32), ids.dense_shape)
+    weights = ones if weights is None else weights
+    weights = tf.sparse.to_dense(weights) if isinstance(weights, tf.SparseTensor) else weights
+    return tf.sparse.to_dense(ids), tf.sparse.to_dense(ones) > 0, tf.cast(weights, tf.float32)
+
+
 def accumulation_rows():
     return accumulation
 

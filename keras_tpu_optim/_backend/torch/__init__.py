@@ -20,6 +20,7 @@ eager_branches = neutral.eager_branches
 apply_if = neutral.apply_if  # Eager: a Python branch.
 state_creation_scope = neutral.state_creation_scope
 unstacked = neutral.unstacked
+dense_ids = neutral.dense_ids
 checked_gradient = neutral.checked_gradient
 
 
