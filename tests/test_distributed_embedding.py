@@ -340,6 +340,28 @@ def test_model_save_and_load_keeps_configs(tmp_path):
     )
 
 
+@pytest.mark.backend_neutral
+def test_configs_round_trip_through_their_own_config():
+    adam = kto.EmbeddingAdam(0.3, clipvalue=1.0)
+    table = TableConfig("t", 10, 4, initializer="zeros", optimizer=adam, combiner="sqrtn")
+    feature = FeatureConfig("f", table, input_shape=(8, 3), output_shape=(8, 4))
+    config = table.get_config()
+    assert config["optimizer"]["class_name"] == "EmbeddingAdam" and config["combiner"] == "sqrtn"
+    again = TableConfig.from_config(config)
+    assert (again.name, again.vocabulary_size, again.embedding_dim, again.combiner) == (
+        "t",
+        10,
+        4,
+        "sqrtn",
+    )
+    assert isinstance(again.initializer, keras.initializers.Zeros)
+    assert again.optimizer.get_config() == adam.get_config()
+    assert feature.get_config()["table"] == "t"
+    feature_again = FeatureConfig.from_config(feature.get_config(), {"t": again})
+    assert feature_again.table is again
+    assert (feature_again.input_shape, feature_again.output_shape) == ((8, 3), (8, 4))
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("keras_rs") is None, reason="keras-rs is not installed"
 )

@@ -224,7 +224,7 @@ def preconditioned(
     return Preconditioned((row, column), (row_factor, column_factor))
 
 
-def update(grad, factors, momentum, options: AdafactorOptions):
+def elementwise_update(grad, factors, momentum, options: AdafactorOptions):
     """The second phase, elementwise: `(delta, new_momentum)` of any part of a variable from the same part of
     its float32 gradient, factors and momentum (None without `beta_1`)."""
     delta = grad
@@ -241,7 +241,7 @@ def update(grad, factors, momentum, options: AdafactorOptions):
 def adafactor_update(grad, param, slots, momentum, *, options, **preconditioned_arguments):
     """One whole step: `(delta, new_slots, new_momentum)`; `param - delta` is the new parameter."""
     result = preconditioned(grad, param, slots, options=options, **preconditioned_arguments)
-    delta, momentum = update(grad, result.factors, momentum, options)
+    delta, momentum = elementwise_update(grad, result.factors, momentum, options)
     return delta, result.slots, momentum
 
 

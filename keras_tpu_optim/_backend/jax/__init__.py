@@ -161,7 +161,7 @@ def _adafactor_update(structure, evaluation):
     """`(gradient, variable, slots, momentum, learning_rate, step, variable_index, option_values)` -> the new
     `(variable, slots, momentum)`, compiled once per shape and options' structure (`split_options`)."""
 
-    def update(
+    def adafactor_values(
         gradient, variable, slots, momentum, learning_rate, step, variable_index, option_values
     ):
         new = {}  # The neutral step, functionally: each array's new value by its identity.
@@ -183,7 +183,7 @@ def _adafactor_update(structure, evaluation):
             None if momentum is None else new[id(momentum)],
         )
 
-    return jax.jit(update)
+    return jax.jit(adafactor_values)
 
 
 def embedding_adam_step(
@@ -227,7 +227,7 @@ def _row_update(path, structure):
     """
     kind, static = path
 
-    def update(entries, tables, learning_rate, ema_step, values):
+    def row_values(entries, tables, learning_rate, ema_step, values):
         update_rows = adam_math.RowUpdate(
             learning_rate, adam_math.joined_options(structure, values), ema_step
         )
@@ -235,7 +235,7 @@ def _row_update(path, structure):
             return rows.lazy_row_update(update_rows, *entries, tables, capacity=static)
         return rows.sparse_row_update(update_rows, *entries, tables, accumulate_duplicates=static)
 
-    return jax.jit(update)
+    return jax.jit(row_values)
 
 
 class _Lookup(neutral.LookupEvaluation):

@@ -117,9 +117,9 @@ def checked_indices(indices, num_rows, variable):
 
 
 def _compilable_update(structure, accumulate_duplicates):
-    def update(indices, group, values, learning_rate, targets, ema_step, option_values):
+    def row_step(indices, group, values, learning_rate, targets, ema_step, option_values):
         options = adam_math.joined_options(structure, option_values)
         update_rows = adam_math.RowUpdate(learning_rate, options, ema_step)
         sparse_row_update(update_rows, indices, values, targets, accumulate_duplicates, group)
 
-    return update
+    return row_step

@@ -203,7 +203,7 @@ class _Lookup(neutral.LookupEvaluation):
             saved.append(residuals)
             return found
 
-        def update(ids, row_gradients, step):
+        def backward_step(ids, row_gradients, step):
             if checked:
                 _check_one_update_per_step(cache, name, state_step)
             _, new_window = backward(
@@ -213,7 +213,7 @@ class _Lookup(neutral.LookupEvaluation):
                 window.assign(new_window)
 
         state_step = step
-        return _TrainedLookup.apply(ids, step, state[0].value, update, read)
+        return _TrainedLookup.apply(ids, step, state[0].value, backward_step, read)
 
     def grouped(self, every, table, cache):
         distinct, group = torch.unique(every, return_inverse=True)
@@ -246,8 +246,8 @@ trained_lookup = functools.partial(neutral.trained_lookup, evaluation=_Lookup())
 
 class _TrainedLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ids, step, table, update, read):
-        ctx.update = update
+    def forward(ctx, ids, step, table, backward_step, read):
+        ctx.backward_step = backward_step
         ctx.save_for_backward(ids, step)
         return read(ids, step)
 
@@ -255,7 +255,7 @@ class _TrainedLookup(torch.autograd.Function):
     def backward(ctx, row_gradients):
         ids, step = ctx.saved_tensors
         with torch.no_grad():
-            ctx.update(ids, row_gradients, step)
+            ctx.backward_step(ids, row_gradients, step)
         return None, step + 1, None, None, None
 
 

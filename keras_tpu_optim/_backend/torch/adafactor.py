@@ -102,7 +102,9 @@ def blocked_step(
     for span in evaluation.spans:
         part = [blocks.part(x, span, rows) for x in (grad, param, momentum)]
         factors = [blocks.part(factor, span, rows) for factor in result.factors]
-        delta, new_momentum = adafactor_math.update(_float32(part[0]), factors, part[2], options)
+        delta, new_momentum = adafactor_math.elementwise_update(
+            _float32(part[0]), factors, part[2], options
+        )
         offset = 0 if span is None else span[0] * per_row
         adafactor_math.write_back(
             part[1],
@@ -174,7 +176,7 @@ def grouped_step(members, *, learning_rate, step, options, axes, indices=None) -
     for targets, value in zip(slots, result.slots):
         torch._foreach_copy_(targets, value.unbind(0))
     momenta = None if first.momentum is None else [m.momentum for m in members]
-    deltas, new_momenta = adafactor_math.update(
+    deltas, new_momenta = adafactor_math.elementwise_update(
         grads, result.factors, None if momenta is None else torch.stack(momenta), options
     )
     column = None if indices is None else indices.reshape((-1,) + (1,) * first.param.dim())
