@@ -63,7 +63,7 @@ def add_slot(optimizer, variable, slot_name: str, kept_axes=None, dtype: str = "
     axes = range(len(variable.shape)) if kept_axes is None else kept_axes
     shape = tuple(variable.shape[i] for i in axes)
     name = variable_path(variable).replace("/", "_") + "_" + slot_name
-    layout = _kept_layout(_private.variable_layout(variable), axes)
+    layout = kept_layout(_private.variable_layout(variable), axes)
     plan = optimizer.__dict__.get(_PLAN_ATTRIBUTE)
     if plan is not None:
         planned_axes = tuple(getattr(layout, "axes", None) or (None,) * len(shape))
@@ -78,7 +78,8 @@ def add_slot(optimizer, variable, slot_name: str, kept_axes=None, dtype: str = "
     return slot
 
 
-def _kept_layout(layout, axes):
+def kept_layout(layout, axes):
+    """`layout` along the kept `axes` of its variable (None where it has no axes and they are not leading)."""
     layout_axes = getattr(layout, "axes", None)
     if layout_axes is None:
         return layout if list(axes) == list(range(len(axes))) else None

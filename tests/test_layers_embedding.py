@@ -404,11 +404,11 @@ def test_compiled_train_step_copies_no_table_or_slot(options):
     )
 
 
-def pooled_layer_model(seed=0):
+def pooled_layer_model(seed=0, **options):
     """ids -> ours (its own EmbeddingAdam) -> flatten -> Dense head, compiled with Keras's Adam."""
     keras.utils.set_random_seed(seed)
     layer = kto.layers.Embedding(
-        ROWS, DIM, optimizer=kto.EmbeddingAdam(0.05, clipvalue=0.5), name="table"
+        ROWS, DIM, optimizer=kto.EmbeddingAdam(0.05, clipvalue=0.5, **options), name="table"
     )
     model = keras.Sequential(
         [
@@ -451,40 +451,63 @@ def test_orbax_checkpoint_resumes_with_load_checkpoint(tmp_path):
     assert float(numpy_of(restored_layer.iterations)) == len(STEP_IDS) + 1
 
 
-@pytest.mark.skipif(
-    BACKEND != "jax", reason=f"keras.distribution runs on the JAX backend; this run is {BACKEND}"
-)
-def test_jax_model_parallel_rows_split_matches_one_device():
-    """The table split by rows over 4 of 8 devices (`ModelParallel`), its slots laid out like it: the same numbers
-    as on one device."""
+def _rows_split_over_4_of_8(key, axes=("model", None)):
+    """A `ModelParallel` distribution whose LayoutMap gives `key` `axes` on a 2 x 4 ("batch", "model") mesh."""
     if len(keras.distribution.list_devices()) < 8:
         pytest.skip(
             "needs 8 JAX devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (dev/test.sh sets it)"
         )
-    ids, y = fit_data()
-    single, _ = pooled_layer_model()
-    single.fit(ids, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-
     mesh = keras.distribution.DeviceMesh(
         (2, 4), ("batch", "model"), keras.distribution.list_devices()
     )
     layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map[".*table/(embeddings|momenta|velocities)"] = ("model", None)
-    keras.distribution.set_distribution(
-        keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
-    )
+    layout_map[key] = axes
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+
+
+@pytest.mark.skipif(
+    BACKEND != "jax", reason=f"keras.distribution runs on the JAX backend; this run is {BACKEND}"
+)
+@pytest.mark.parametrize("lazy_adam", [True, False], ids=["lazy", "not_lazy"])
+def test_jax_model_parallel_rows_split_matches_one_device(lazy_adam):
+    """The table split by rows over 4 of 8 devices (`ModelParallel`) by a LayoutMap naming only the table: its
+    slots (and `row_steps`) are laid out like it by themselves, and train the same numbers as on one device."""
+    distribution = _rows_split_over_4_of_8(".*table/embeddings")
+    ids, y = fit_data()
+    single, _ = pooled_layer_model(lazy_adam=lazy_adam)
+    single.fit(ids, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    keras.distribution.set_distribution(distribution)
     try:
-        split, layer = pooled_layer_model()
+        split, layer = pooled_layer_model(lazy_adam=lazy_adam)
         split.fit(ids, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     finally:
         keras.distribution.set_distribution(None)
-    for variable in (layer.embeddings, layer.momenta, layer.velocities):
+    row_state = (layer.embeddings, layer.momenta, layer.velocities)
+    for variable in row_state + (() if lazy_adam else (layer.row_steps,)):
         assert len(variable.value.sharding.device_set) == 8
-        assert variable.value.addressable_shards[0].data.shape == (ROWS // 4, DIM), variable.path
+        shard = variable.value.addressable_shards[0].data.shape
+        assert shard == (ROWS // 4,) + tuple(variable.shape[1:]), variable.path
     for want, got in zip(single.weights, split.weights):
         np.testing.assert_allclose(
             numpy_of(got), numpy_of(want), rtol=1e-5, atol=1e-7, err_msg=want.path
         )
+
+
+@pytest.mark.skipif(
+    BACKEND != "jax", reason=f"keras.distribution runs on the JAX backend; this run is {BACKEND}"
+)
+def test_jax_layout_map_laying_a_slot_apart_from_its_table_is_refused():
+    """A LayoutMap key that would split `momenta` where the table is whole: refused, naming the key, the slot and
+    the table, as the optimizers refuse it for their slots."""
+    keras.distribution.set_distribution(_rows_split_over_4_of_8(".*table/momenta"))
+    try:
+        with pytest.raises(
+            ValueError,
+            match=r"key '\.\*table/momenta' gives Embedding's state '\w+/table/momenta'.*'\w+/table/embeddings'",
+        ):
+            pooled_layer_model()
+    finally:
+        keras.distribution.set_distribution(None)
 
 
 def test_two_lookups_in_one_step_raise():

@@ -8,7 +8,7 @@ import sys
 import keras
 from keras import ops
 
-from keras_tpu_optim import _private
+from keras_tpu_optim import _checks, _private, _slots
 from keras_tpu_optim._backend import backend
 from keras_tpu_optim._math import catch_up as catch_up_math
 from keras_tpu_optim.embedding_adam import EmbeddingAdam
@@ -197,9 +197,9 @@ class Embedding(keras.layers.Embedding):
             shape=(), name="iterations", trainable=True, overwrite_with_gradient=True, **zeros
         )
         rowwise = self._table_optimizer.second_moment == "rowwise"
-        self.momenta = self.add_weight(shape=table, name="momenta", **zeros, **state)
-        self.velocities = self.add_weight(
-            shape=rows if rowwise else table, name="velocities", **zeros, **state
+        self.momenta = self._add_row_state("momenta", table, in_gradients)
+        self.velocities = self._add_row_state(
+            "velocities", rows if rowwise else table, in_gradients
         )
         rate = _private.raw_learning_rate(self._table_optimizer)
         if isinstance(rate, keras.Variable):
@@ -208,7 +208,7 @@ class Embedding(keras.layers.Embedding):
         self.row_steps = self.catch_up_sums = None
         terms = self._catch_up_terms()
         if self._table_optimizer.bias_correction == "per_row" or terms:
-            self.row_steps = self.add_weight(shape=rows, name="row_steps", **zeros, **state)
+            self.row_steps = self._add_row_state("row_steps", rows, in_gradients)
         if terms:
             window = catch_up_math.window_size(self.input_dim, self.output_dim, terms)
             plan = catch_up_math.plan(*self._catch_up_key(), window)
@@ -220,6 +220,28 @@ class Embedding(keras.layers.Embedding):
                 **state,
             )
         self.built = True
+
+    def _add_row_state(self, name, shape, in_gradients):
+        """A float32 state variable of the table's rows, zeros, laid out like the table along its first axes
+        (`keras.distribution`): a LayoutMap naming only the table splits its state too, and a key laying
+        the state out apart from its table is refused (`_checks.check_slot_layouts`)."""
+        layout = _slots.kept_layout(_private.variable_layout(self._embeddings), range(len(shape)))
+        path = self._embeddings.path.rsplit("/", 1)[0] + "/" + name
+        axes = tuple(getattr(layout, "axes", None) or (None,) * len(shape))
+        _checks.check_slot_layouts(
+            type(self), [_slots.PlannedSlot(path, shape, axes, self._embeddings.path)]
+        )
+        with keras.name_scope(self.name, caller=self):
+            variable = keras.Variable(
+                keras.initializers.Zeros(),
+                shape=shape,
+                dtype="float32",
+                trainable=in_gradients,
+                layout=layout,
+                name=name,
+            )
+        variable.overwrite_with_gradient = in_gradients
+        return variable
 
     def _catch_up_key(self):
         optimizer = self._table_optimizer
