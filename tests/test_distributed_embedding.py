@@ -340,6 +340,29 @@ def test_model_save_and_load_keeps_configs(tmp_path):
     )
 
 
+def test_skip_nonfinite_updates_is_each_tables_optimizers():
+    """With the layer's optimizer's `skip_nonfinite_updates=True`, a step with a NaN in the loss's coefficients
+    (every table's row gradients not finite) leaves the tables that optimizer trains ("a" and "b", one stacked
+    group: rows, slots and step count) bit for bit as they were; tables with optimizers of their own, which do
+    not skip, take the step."""
+    model, layer = make_model({"skip_nonfinite_updates": True})
+    coefficients = np.random.RandomState(50).normal(size=(BATCH, width())).astype("float32")
+    model.train_on_batch(list(step_inputs(0)), coefficients)
+    before = {name: numpy_of(table) for name, table in layer.get_embedding_tables().items()}
+    skipping = [g for g in layer._grouping.groups if g.optimizer.skip_nonfinite_updates]
+    state = [[numpy_of(v) for v in g.weights] for g in skipping]
+    coefficients[0, :] = np.nan
+    model.train_on_batch(list(step_inputs(1)), coefficients)
+    after = {name: numpy_of(table) for name, table in layer.get_embedding_tables().items()}
+    for name in before:
+        skips = layer.table_optimizer(name).skip_nonfinite_updates
+        assert skips == (name in ("a", "b")), name
+        assert np.array_equal(after[name], before[name]) == skips, name
+    for group, values in zip(skipping, state):
+        for want, variable in zip(values, group.weights):
+            np.testing.assert_array_equal(numpy_of(variable), want, err_msg=variable.path)
+
+
 @pytest.mark.backend_neutral
 def test_configs_round_trip_through_their_own_config():
     adam = kto.EmbeddingAdam(0.3, clipvalue=1.0)

@@ -122,7 +122,8 @@ class LookupEvaluation:
 
     def hook(self, forward, backward, ids, step, learning_rate, state, window, cache, name):
         """The looked-up rows, `forward`'s, with `backward` run in the lookup's backward pass (the backend's;
-        `cache`, `name`: the layer's)."""
+        `cache`, `name`: the layer's); `backward` returns the new tables (None: written in place), the new
+        window and the next value of `iterations`, its gradient."""
         raise NotImplementedError
 
     def read_step(self, iterations):
@@ -146,6 +147,14 @@ class LookupEvaluation:
     def write_rows(self, targets, ids, new_rows):
         """Write `new_rows` into the `targets` at `ids`: the new tables where state is immutable, else None."""
         raise NotImplementedError
+
+    def unless_nonfinite(self, finite, write, ids, targets, every_row):
+        """`write(ids)`, the backward pass's writes into `targets` at `ids` (`every_row`: all of them), made
+        only where `finite` holds (None: always): here in place, under a condition."""
+        if finite is None:
+            return write(ids)
+        apply_if(finite, lambda: write(ids), targets)
+        return None
 
     def sparse_step(self, targets, ids, values, update_rows, *, lazy, accumulate_duplicates, cache):
         """EmbeddingAdam's step of the `targets` (the table, its slots) with the sparse gradient `(ids,
@@ -177,6 +186,7 @@ def trained_lookup(
     cache,
     name,
     evaluation,
+    skip_nonfinite=False,
 ):
     """The rows of the table `state[0]` (then its slots) at `ids`, trained in the lookup's backward pass:
     every backend's sequence, which `evaluation` (the backend's `LookupEvaluation`) hooks into autograd.
@@ -186,10 +196,18 @@ def trained_lookup(
     backward pass steps the table and its slots with the lookup's gradient as EmbeddingAdam steps the
     table's sparse gradient. With one (`_math.catch_up`), the forward pass reads the step's ids
     (`read_ids`), gathers each distinct row once and catches it up; the backward pass steps those rows,
-    writes them and advances the window. The gradient of `iterations` is its next value.
+    writes them and advances the window. The gradient of `iterations` is its next value. With
+    `skip_nonfinite`, a step whose row gradients hold a NaN or an Inf changes nothing: no row, slot or
+    window is written and `iterations` keeps its value.
     """
     ev = evaluation
     step = ev.read_step(iterations)
+
+    def finite_of(row_gradients):
+        return ops.all(ops.isfinite(row_gradients)) if skip_nonfinite else None
+
+    def next_step(step, finite):
+        return step + (1 if finite is None else ops.cast(finite, step.dtype))
 
     if window is None:
 
@@ -198,16 +216,23 @@ def trained_lookup(
 
         def backward(residuals, row_gradients, ids, step, learning_rate, targets, window):
             values = ops.reshape(row_gradients, (-1,) + tuple(targets[0].shape[1:]))
-            new_tables = ev.sparse_step(
-                targets,
+            finite = finite_of(values)
+            new_tables = ev.unless_nonfinite(
+                finite,
+                lambda ids: ev.sparse_step(
+                    targets,
+                    ids,
+                    values,
+                    adam_math.RowUpdate(learning_rate, options),
+                    lazy=lazy,
+                    accumulate_duplicates=accumulate_duplicates,
+                    cache=cache,
+                ),
                 ops.reshape(ids, (-1,)),
-                values,
-                adam_math.RowUpdate(learning_rate, options),
-                lazy=lazy,
-                accumulate_duplicates=accumulate_duplicates,
-                cache=cache,
+                targets,
+                every_row=not lazy,
             )
-            return new_tables, None
+            return new_tables, None, next_step(step, finite)
 
     else:
 
@@ -234,6 +259,16 @@ def trained_lookup(
             new_rows, new_window = ev.compiled("catch_up_step", stepped, options, cache)(
                 residuals, row_gradients, learning_rate, step, window
             )
-            return ev.write_rows(targets, residuals[0], new_rows), new_window
+            finite = finite_of(row_gradients)
+            new_tables = ev.unless_nonfinite(
+                finite,
+                lambda ids: ev.write_rows(targets, ids, new_rows),
+                residuals[0],
+                targets,
+                every_row=False,
+            )
+            if finite is not None:
+                new_window = ops.where(finite, new_window, window)
+            return new_tables, new_window, next_step(step, finite)
 
     return ev.hook(forward, backward, ids, step, learning_rate, state, window, cache, name)

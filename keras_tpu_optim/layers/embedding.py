@@ -21,7 +21,6 @@ _UNSUPPORTED = {
     "clipnorm": "the norm of the table's gradient is not known to one lookup",
     "global_clipnorm": "the norm of the model's gradients is not known to one lookup",
     "loss_scale_factor": "the lookup's gradient arrives unscaled",
-    "skip_nonfinite_updates": "the rest of the model's gradients are not known to one lookup",
     "slot_variable_creation_fn": "the layer creates and saves the table's slots itself",
 }
 
@@ -124,13 +123,18 @@ class Embedding(keras.layers.Embedding):
     near 1, e.g. `beta_2=0.99` with `beta_1=0.9`), every row is stepped every
     step instead.
 
+    With the optimizer's `skip_nonfinite_updates=True`, a step in which the
+    gradient of the looked-up rows holds a NaN or an Inf leaves the table, its
+    slots and `iterations` as they were. The layer sees only its rows'
+    gradients: a step whose other gradients are not finite still trains the
+    table.
+
     Requirements, each checked where it can be: the layer is called once per
     training step (to look up several id tensors, concatenate them; checked
     but in eager TensorFlow and under `torch.compile`); no `tf.distribute` strategy; the
     table is read only through the layer; the optimizer has no `use_ema`,
     `gradient_accumulation_steps`, `clipnorm`, `global_clipnorm`,
-    `loss_scale_factor`, `skip_nonfinite_updates` or
-    `slot_variable_creation_fn`; the table has no `embeddings_regularizer`,
+    `loss_scale_factor` or `slot_variable_creation_fn`; the table has no `embeddings_regularizer`,
     `embeddings_constraint`, LoRA or quantization; the model's optimizer does
     not scale the loss, accumulate gradients over steps or skip steps (no
     `LossScaleOptimizer`, `mixed_float16` policy, `loss_scale_factor`,
@@ -324,6 +328,7 @@ class Embedding(keras.layers.Embedding):
             window=self.catch_up_sums,
             cache=self._backend_cache,
             name=self.name,
+            skip_nonfinite=optimizer.skip_nonfinite_updates,
         )
         return ops.cast(outputs, dtype=self.compute_dtype)
 

@@ -254,10 +254,10 @@ class _Lookup(neutral.LookupEvaluation):
 
         def stepping(saved, row_gradients):
             residuals, ids, step, learning_rate, window, tables = saved
-            new_tables, new_window = backward(
+            new_tables, new_window, next_step = backward(
                 residuals, row_gradients, ids, step, learning_rate, tables, window
             )
-            return (None, step + 1, None, new_window, *new_tables)
+            return (None, next_step, None, new_window, *new_tables)
 
         lookup.defvjp(saving, stepping)
         window = None if window is None else window.value
@@ -269,6 +269,15 @@ class _Lookup(neutral.LookupEvaluation):
 
     def write_rows(self, targets, ids, new_rows):
         return tuple(rows.scatter(t, ids, r) for t, r in zip(targets, new_rows))
+
+    def unless_nonfinite(self, finite, write, ids, targets, every_row):
+        # Functionally: ids past the table, whose writes are dropped (the cost stays the rows'); or, where
+        # every row is written, the old tables selected.
+        if finite is None:
+            return write(ids)
+        if every_row:
+            return tuple(jax.numpy.where(finite, n, t) for n, t in zip(write(ids), targets))
+        return write(jax.numpy.where(finite, ids, targets[0].shape[0]))
 
     def sparse_step(self, targets, ids, values, update_rows, *, lazy, accumulate_duplicates, cache):
         if lazy:

@@ -124,12 +124,12 @@ class _Lookup(neutral.LookupEvaluation):
         @tf.custom_gradient
         def hooked(found, step):
             def gradient(row_gradients):
-                _, new_window = backward(
+                _, new_window, next_step = backward(
                     residuals, row_gradients, ids, step, learning_rate, state, window_before
                 )
                 if window is not None:
                     window.assign(new_window)
-                return None, step + 1
+                return None, next_step
 
             return tf.identity(found), gradient
 

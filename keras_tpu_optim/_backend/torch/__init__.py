@@ -206,11 +206,12 @@ class _Lookup(neutral.LookupEvaluation):
         def backward_step(ids, row_gradients, step):
             if checked:
                 _check_one_update_per_step(cache, name, state_step)
-            _, new_window = backward(
+            _, new_window, next_step = backward(
                 saved.pop(), row_gradients, ids, step, learning_rate, state, window_before
             )
             if window is not None:
                 window.assign(new_window)
+            return next_step
 
         state_step = step
         return _TrainedLookup.apply(ids, step, state[0].value, backward_step, read)
@@ -255,8 +256,8 @@ class _TrainedLookup(torch.autograd.Function):
     def backward(ctx, row_gradients):
         ids, step = ctx.saved_tensors
         with torch.no_grad():
-            ctx.backward_step(ids, row_gradients, step)
-        return None, step + 1, None, None, None
+            next_step = ctx.backward_step(ids, row_gradients, step)
+        return None, next_step, None, None, None
 
 
 def _check_one_update_per_step(cache, name, iterations):
