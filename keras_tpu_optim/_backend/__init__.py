@@ -2,8 +2,8 @@
 Keras picks its backend optimizer.
 
 The optimizers hand it plain arguments (a variable, its state, the step's numbers); it never calls back
-into them. Each package provides what the package calls as `backend.<name>` (`neutral`: what runs where a
-backend has nothing of its own). Evaluations are chosen by a variable's platform
+into them. Each package provides the functions the package calls (`backend.<name>`, checked by
+tests/test_backend_interface.py; `neutral`: what runs where a backend has nothing of its own). Evaluations are chosen by a variable's platform
 (docs/algorithms.md#platform-specific-evaluation).
 """
 

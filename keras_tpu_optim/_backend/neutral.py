@@ -123,7 +123,9 @@ class LookupEvaluation:
     def hook(self, forward, backward, ids, step, learning_rate, state, window, cache, name):
         """The looked-up rows, `forward`'s, with `backward` run in the lookup's backward pass (the backend's;
         `cache`, `name`: the layer's); `backward` returns the new tables (None: written in place), the new
-        window and the next value of `iterations`, its gradient."""
+        window and the next value of `iterations`, its gradient. The `targets` the backward pass writes are
+        the layer's variables where state is written in place (TF, torch), their values where it is not
+        (JAX)."""
         raise NotImplementedError
 
     def read_step(self, iterations):
@@ -150,11 +152,20 @@ class LookupEvaluation:
 
     def unless_nonfinite(self, finite, write, ids, targets, every_row):
         """`write(ids)`, the backward pass's writes into `targets` at `ids` (`every_row`: all of them), made
-        only where `finite` holds (None: always): here in place, under a condition."""
+        only where `finite` holds (None: always): here in place, under a condition (eager torch reads
+        `finite` on the host, as the optimizers' `skip_nonfinite_updates` does)."""
         if finite is None:
             return write(ids)
         apply_if(finite, lambda: write(ids), targets)
         return None
+
+    def sparse_gradient(self, ids, values, table, lazy):
+        """The backend's sparse gradient of `table` with rows `values` at `ids` (in-place backends)."""
+        raise NotImplementedError
+
+    def embedding_adam_step(self, gradient, variable, slots, update_rows, **step_options):
+        """The backend's `embedding_adam_step` (in-place backends)."""
+        raise NotImplementedError
 
     def sparse_step(self, targets, ids, values, update_rows, *, lazy, accumulate_duplicates, cache):
         """EmbeddingAdam's step of the `targets` (the table, its slots) with the sparse gradient `(ids,
@@ -219,9 +230,9 @@ def trained_lookup(
             finite = finite_of(values)
             new_tables = ev.unless_nonfinite(
                 finite,
-                lambda ids: ev.sparse_step(
+                lambda written_ids: ev.sparse_step(
                     targets,
-                    ids,
+                    written_ids,
                     values,
                     adam_math.RowUpdate(learning_rate, options),
                     lazy=lazy,
@@ -262,7 +273,7 @@ def trained_lookup(
             finite = finite_of(row_gradients)
             new_tables = ev.unless_nonfinite(
                 finite,
-                lambda ids: ev.write_rows(targets, ids, new_rows),
+                lambda written_ids: ev.write_rows(targets, written_ids, new_rows),
                 residuals[0],
                 targets,
                 every_row=False,

@@ -146,10 +146,11 @@ class _Lookup(neutral.LookupEvaluation):
         return tf.convert_to_tensor(iterations.value)
 
     def grouped(self, every, table, cache):
-        if not compiling_helps():
-            return super().grouped(every, table, cache)
-        every = rows.checked_indices(every, tf.shape(table, out_type=every.dtype)[0], table)
-        group = tf.unique(every, out_idx=tf.int32).idx
+        if compiling_helps():
+            every = rows.checked_indices(every, tf.shape(table, out_type=every.dtype)[0], table)
+            group = tf.unique(every, out_idx=tf.int32).idx
+        else:  # Inside XLA: ranked by a sort (XLA's binary search compares every pair).
+            group = sparse_rows.id_ranks(every, False)
         return (every, group, *sparse_rows.distinct_ids(every, group))
 
     def gather(self, table, ids):

@@ -105,7 +105,9 @@ def compiled_lazy_row_update(
 
 def checked_indices(indices, num_rows, variable):
     """`indices`, checked to name rows of the table: XLA would clip or drop an out-of-range one silently."""
-    name = getattr(variable, "path", None) or getattr(variable, "name", "the table")
+    name = (
+        getattr(variable, "path", None) or str(getattr(variable, "name", "the table")).split(":")[0]
+    )
     message = f"EmbeddingAdam: the gradient of {name} has row indices outside [0, number of rows)"
     with tf.control_dependencies(
         [
