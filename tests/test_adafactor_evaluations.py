@@ -225,8 +225,16 @@ def _in_place_steps(param, grads, options, dtype, variable_index):
                 else:
                     member = torch_adafactor.Member(value, grad, slots, momentum)
                     axes = options.factored_axes(shape) if len(slots) == 2 else None
+                    scalars = adafactor_math.step_scalars(
+                        kwargs["learning_rate"], kwargs["step"].to(torch.float32), options
+                    )
                     torch_adafactor.grouped_step(
-                        [member], axes=axes, indices=torch.tensor([variable_index]), **kwargs
+                        [member],
+                        step=kwargs["step"],
+                        scalars=scalars,
+                        options=options,
+                        axes=axes,
+                        indices=torch.tensor([variable_index]),
                     )
             results[label] = value.to(torch.float32).numpy()
     if BACKEND == "tensorflow":

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import keras
 from keras import ops
@@ -161,6 +161,27 @@ def _size(x, axes):
     return float(size) if isinstance(size, int) else ops.cast(size, "float32")
 
 
+class StepScalars(NamedTuple):
+    """A step's scalars, the same for every variable: the step size `rho`, `beta2_t` and `1 - beta2_t`."""
+
+    rho: Any
+    beta2: Any
+    one_minus_beta2: Any
+
+
+def step_scalars(learning_rate, step, options: AdafactorOptions) -> StepScalars:
+    """The `StepScalars` of step `step` (`iterations + 1`), from float32 `learning_rate` and `step`."""
+    o = options
+    rho = ops.minimum(learning_rate, ops.rsqrt(step)) if o.relative_step else learning_rate
+    # beta2_t = min(1 - t^beta_2_decay, beta_2_cap), t floored at 1 before `decay_offset` (where
+    # optax's schedule is not finite).
+    t = ops.maximum(step - float(o.decay_offset), 1.0) if o.decay_offset else step
+    beta2_t = 1.0 - ops.power(t, o.beta_2_decay)
+    if o.beta_2_cap is not None:
+        beta2_t = ops.minimum(beta2_t, o.beta_2_cap)
+    return StepScalars(rho, beta2_t, 1.0 - beta2_t)
+
+
 def _per_variable(scalar, ndim: int, batch_dims: int):
     """A per-variable scalar (`[k]` stacked) shaped to broadcast against arrays of `ndim` axes."""
     return ops.reshape(scalar, (-1,) + (1,) * (ndim - 1)) if batch_dims else scalar
@@ -171,35 +192,31 @@ def preconditioned(
     param,
     slots,
     *,
-    learning_rate,
-    step,
+    learning_rate=None,
+    step=None,
     options: AdafactorOptions,
     factored_axes=None,
     evaluation=NEUTRAL,
+    scalars=None,
 ) -> Preconditioned:
     """The first phase of a step, on float32 `grad` and `param` (or anything `evaluation` sums like it).
 
     `slots` is `(row, column)` for a variable factored over `factored_axes`
-    (None: its last two), `(v,)` otherwise; `step` is `iterations + 1`.
+    (None: its last two), `(v,)` otherwise; `step` is `iterations + 1`;
+    `scalars` the step's `step_scalars` where computed once for several steps.
     """
     o, ev = options, evaluation
     batch = ev.batch_dims
     ndim = len(grad.shape)
     numel = _size(grad, range(batch, ndim))
-    rho = ops.minimum(learning_rate, ops.rsqrt(step)) if o.relative_step else learning_rate
-    # beta2_t = min(1 - t^beta_2_decay, beta_2_cap), t floored at 1 before `decay_offset` (where
-    # optax's schedule is not finite).
-    t = ops.maximum(step - float(o.decay_offset), 1.0) if o.decay_offset else step
-    beta2_t = 1.0 - ops.power(t, o.beta_2_decay)
-    if o.beta_2_cap is not None:
-        beta2_t = ops.minimum(beta2_t, o.beta_2_cap)
+    rho, beta2_t, one_minus_beta2_t = scalars or step_scalars(learning_rate, step, o)
     alpha = rho
     if o.multiply_by_parameter_scale:
         (param_square_sum,) = ev.square_sums(param, (None,))
         alpha = ops.maximum(o.epsilon_2, ops.sqrt(param_square_sum / numel)) * rho
     if len(slots) == 1:
         (v,) = slots
-        v = beta2_t * v + (1.0 - beta2_t) * (ops.square(grad) + o.epsilon_1)
+        v = beta2_t * v + one_minus_beta2_t * (ops.square(grad) + o.epsilon_1)
         preconditioner = ops.rsqrt(v)
         update_square_sum = ev.weighted_square_sum(grad, ops.square(preconditioner), None)
         scale = alpha * clip_factor(update_square_sum / numel, o.clip_threshold)
@@ -209,8 +226,8 @@ def preconditioned(
     )
     row, column = slots
     row_sum, column_sum = ev.square_sums(grad, (b, a))
-    row = beta2_t * row + (1.0 - beta2_t) * (row_sum / _size(grad, (b,)) + o.epsilon_1)
-    column = beta2_t * column + (1.0 - beta2_t) * (column_sum / _size(grad, (a,)) + o.epsilon_1)
+    row = beta2_t * row + one_minus_beta2_t * (row_sum / _size(grad, (b,)) + o.epsilon_1)
+    column = beta2_t * column + one_minus_beta2_t * (column_sum / _size(grad, (a,)) + o.epsilon_1)
     # 1 / sqrt(V) for V = (R / mean(R)) outer C, never materialised.
     row_factor = ops.rsqrt(row / ops.mean(row, axis=a - (b < a), keepdims=True))
     column_factor = ops.expand_dims(ops.rsqrt(column), a)

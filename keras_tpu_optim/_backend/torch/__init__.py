@@ -110,6 +110,7 @@ def adafactor_group_steps(
     alone, groups = _group_plan(cache, variables, states, indices, platforms, options)
     if groups:
         learning_rate, step = ops.convert_to_tensor(learning_rate), ops.convert_to_tensor(step)
+    on_device = {}  # the step and its scalars on each device, computed once for all its groups
     for positions, group_indices, axes in groups:
         members = [
             adafactor.Member(
@@ -120,10 +121,20 @@ def adafactor_group_steps(
             )
             for p in positions
         ]
+        device = members[0].param.device
+        if device not in on_device:
+            device_step = step.to(device)
+            on_device[device] = (
+                device_step,
+                adafactor_math.step_scalars(
+                    learning_rate.to(device, torch.float32), device_step.to(torch.float32), options
+                ),
+            )
+        device_step, scalars = on_device[device]
         adafactor.grouped_step(
             members,
-            learning_rate=learning_rate,
-            step=step,
+            step=device_step,
+            scalars=scalars,
             options=options,
             axes=axes,
             indices=group_indices,

@@ -150,28 +150,26 @@ def chunked(positions: list, numel: int) -> list:
 
 
 @torch.no_grad()
-def grouped_step(members, *, learning_rate, step, options, axes, indices=None) -> None:
+def grouped_step(members, *, step, scalars, options, axes, indices=None) -> None:
     """One step of variables of one shape, dtype and kind of state (`group_key`), in place.
 
-    `axes` are the factored axes of the shape (None: unfactored);
+    `step` and the step's `adafactor_math.step_scalars` are on the members'
+    device; `axes` are the factored axes of the shape (None: unfactored);
     `indices` the members' positions in the optimizer's variables (an int32
     tensor on their device), which key stochastic rounding's random bits.
     """
     first = members[0]
     params = [m.param for m in members]
-    device = first.param.device
-    step = step.to(device)
     grads = _float32(torch.stack([m.grad for m in members]))
     slots = [[m.slots[i] for m in members] for i in range(len(first.slots))]
     result = adafactor_math.preconditioned(
         grads,
         params,
         tuple(torch.stack(s) for s in slots),
-        learning_rate=learning_rate.to(device, torch.float32),
-        step=step.to(torch.float32),
         options=options,
         factored_axes=axes,
         evaluation=GROUP_EVALUATION,
+        scalars=scalars,
     )
     for targets, value in zip(slots, result.slots):
         torch._foreach_copy_(targets, value.unbind(0))
