@@ -134,8 +134,8 @@ class Embedding(keras.layers.Embedding):
     but in eager TensorFlow and under `torch.compile`); no `tf.distribute` strategy; the
     table is read only through the layer; the optimizer has no `use_ema`,
     `gradient_accumulation_steps`, `clipnorm`, `global_clipnorm`,
-    `loss_scale_factor` or `slot_variable_creation_fn`; the table has no `embeddings_regularizer`,
-    `embeddings_constraint`, LoRA or quantization; the model's optimizer does
+    `loss_scale_factor` or `slot_variable_creation_fn`; the table has no
+    `embeddings_regularizer`, `embeddings_constraint`, LoRA or quantization; the model's optimizer does
     not scale the loss, accumulate gradients over steps or skip steps (no
     `LossScaleOptimizer`, `mixed_float16` policy, `loss_scale_factor`,
     `gradient_accumulation_steps` or `skip_nonfinite_updates`; checked where

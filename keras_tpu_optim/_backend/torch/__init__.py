@@ -198,14 +198,15 @@ def accumulation_rows():
 
 
 class _Lookup(neutral.LookupEvaluation):
-    """The backward pass writes the table, its slots and the window in place, and returns `iterations + 1` as
-    the gradient of `iterations`. The ids are grouped and their gradients summed by torch's own kernels
+    """The backward pass writes the table, its slots and the window in place, and returns the next value of
+    `iterations` as its gradient. The ids are grouped and their gradients summed by torch's own kernels
     (Keras's segment ops replicate the ids to the rows' shape and scatter through a reduction)."""
 
     def hook(self, forward, backward, ids, step, learning_rate, state, window, cache, name):
         checked = not torch.compiler.is_compiling()  # else the step count here is the trace's
+        count = step  # the step count's tensor, whose in-place version tells a second update
         window_before = None if window is None else window.value
-        saved = []
+        saved = []  # the forward pass's residuals, for the backward pass
 
         def read(ids, step):
             found, residuals = forward(
@@ -216,7 +217,7 @@ class _Lookup(neutral.LookupEvaluation):
 
         def backward_step(ids, row_gradients, step):
             if checked:
-                _check_one_update_per_step(cache, name, state_step)
+                _check_one_update_per_step(cache, name, count)
             _, new_window, next_step = backward(
                 saved.pop(), row_gradients, ids, step, learning_rate, state, window_before
             )
@@ -224,7 +225,6 @@ class _Lookup(neutral.LookupEvaluation):
                 window.assign(new_window)
             return next_step
 
-        state_step = step
         return _TrainedLookup.apply(ids, step, state[0].value, backward_step, read)
 
     def grouped(self, every, table, cache):
