@@ -281,16 +281,42 @@ def test_no_optimizer_and_wrong_shapes_raise():
         )([np.zeros((4,), "int32")])
 
 
-def test_ids_past_a_stacked_table_never_reach_its_neighbour():
-    """Tables "a" and "b" are stacked; an id past "a" looks up no row of "b" (it fails or gathers as an id past
-    the whole stacked table does on this backend)."""
-    a, b = TableConfig("a", 3, 2, initializer="ones"), TableConfig("b", 3, 2, initializer="ones")
-    layer = DistributedEmbedding(_features(a, b), optimizer=kto.EmbeddingAdam())
-    try:
-        rows = numpy_of(layer([np.array([3], "int32"), np.array([0], "int32")])[0])
-    except Exception:  # noqa: BLE001 - TF and torch refuse an out-of-range id, as their lookups do
-        return
-    assert not np.array_equal(rows, np.ones((1, 2)))
+@pytest.mark.parametrize("bad", [3, -1, 2**30])
+def test_ids_out_of_their_tables_range_read_zero_rows_and_train_nothing(bad):
+    """Tables "a" (pooled by "sum") and "b" are stacked; ids outside "a"'s range, in a training step beside
+    valid ids, read zero rows and train nothing: "b" and "a"'s rows not looked up keep their bits, and the
+    tables train as in a step where those entries have weight 0. The layer counts them."""
+
+    def trained(ids_a, weights_a):
+        a = TableConfig("a", 3, 2, initializer="ones", combiner="sum")
+        b = TableConfig("b", 3, 2, initializer="ones")
+        features = [
+            FeatureConfig("fa", a, input_shape=(2, 2)),
+            FeatureConfig("fb", b, input_shape=(2,)),
+        ]
+        layer = DistributedEmbedding(features, optimizer=kto.EmbeddingAdam(0.1))
+        ids = [keras.Input((2,), dtype="int32"), keras.Input((), dtype="int32")]
+        weights = [keras.Input((2,)), keras.Input(())]
+        model = keras.Model([ids, weights], keras.layers.Concatenate()(layer(ids, weights)))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        batch = [
+            [np.asarray(ids_a, "int32"), np.array([1, 2], "int32")],
+            [np.asarray(weights_a, "float32"), np.ones((2,), "float32")],
+        ]
+        looked_up = numpy_of(model.predict_on_batch(batch))
+        model.train_on_batch(batch, np.full((2, 4), 2.0, "float32"))
+        return looked_up, {t: numpy_of(v) for t, v in layer.get_embedding_tables().items()}, layer
+
+    found, tables, layer = trained([[0, bad], [bad, bad]], [[1.0, 1.0], [1.0, 1.0]])
+    expected, reference, _ = trained([[0, 0], [0, 0]], [[1.0, 0.0], [0.0, 0.0]])
+    np.testing.assert_array_equal(found, expected)
+    np.testing.assert_array_equal(found[:, :2], [[1.0, 1.0], [0.0, 0.0]])
+    for name in ("a", "b"):
+        np.testing.assert_allclose(tables[name], reference[name], rtol=1e-6, err_msg=name)
+    np.testing.assert_array_equal(tables["a"][1:], 1.0)
+    np.testing.assert_array_equal(tables["b"][0], 1.0)
+    assert not np.array_equal(tables["a"][0], 1.0)
+    assert int(numpy_of(layer.out_of_range_ids)) == 6  # 3 looked up by `predict`, 3 by the step
 
 
 @pytest.mark.parametrize("options", [{}, {"lazy_adam": False}], ids=["lazy", "not_lazy"])

@@ -6,6 +6,8 @@ from the model's formula, and Keras's own optimizers for the rest of a mixed
 model, fed the same numpy gradients.
 """
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -359,6 +361,7 @@ def test_public_names_beyond_keras_embedding_are_documented():
         "catch_up",
         "table_state",
         "restart_catch_up_sums",
+        "out_of_range_ids",
     }
     for name in added:
         assert (
@@ -606,25 +609,48 @@ def test_model_optimizer_that_scales_or_accumulates_raises_naming_it(wrap, named
     assert float(numpy_of(layer.iterations)) == 1
 
 
-def test_an_id_past_the_table_reads_alike_lazy_or_not():
-    """A training step that looks up an id past the table: what the lazy layer does with it (NaN rows on JAX,
-    as its `take`; an error on TF and torch), the caught-up lookup (`lazy_adam=False`) does too."""
+MODES = {
+    "tensorflow": ["default", "run_eagerly", "jit_compile"],
+    "jax": ["default", "run_eagerly"],
+    "torch": ["default"],
+}[BACKEND]
 
-    def outcome(lazy_adam):
-        model = keras.Sequential(
-            [
-                keras.Input((), dtype="int32"),
-                kto.layers.Embedding(
-                    ROWS, DIM, optimizer=kto.EmbeddingAdam(0.1, lazy_adam=lazy_adam)
-                ),
-            ]
-        )
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-        try:
-            loss = model.train_on_batch(np.array([1, ROWS], "int32"), np.zeros((2, DIM), "float32"))
-        except Exception as error:  # noqa: BLE001 - whichever error the backend's lookup raises
-            return type(error)
-        return "nan" if np.isnan(float(loss)) else round(float(loss), 5)
 
-    print(f"{BACKEND}: {outcome(True)}")
-    assert outcome(False) == outcome(True)
+@pytest.mark.parametrize("bad", [ROWS, -1, 2**30])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", ["default", "last_occurrence", "not_lazy"])
+def test_out_of_range_ids_read_zero_rows_and_train_nothing(case, mode, bad):
+    """Ids outside [0, ROWS) among valid ones, in every trainer mode of the backend: they read zero rows,
+    the table trains as the numpy reference fed only the valid ids' gradients (no other row changes), and
+    they are counted in `out_of_range_ids`, said once in a warning where the step runs eagerly."""
+    options = OPTION_CASES[case]
+    model, layer = table_model(options)
+    if mode != "default":
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **{mode: True})
+    reference = NumpyEmbeddingAdam(initial_table(), **reference_arguments(options))
+    counted = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, ids in enumerate(STEP_IDS):
+            ids = np.asarray(ids, np.int32)
+            ids[step + 1, step] = ids[4, 2] = bad
+            valid = ids != bad
+            y = targets(step, (BATCH, K, DIM))
+            rows = np.where(valid[..., None], reference.weights[np.clip(ids, 0, ROWS - 1)], 0)
+            gradient = 2 * (rows.astype(np.float64) - y) / (BATCH * K * DIM)
+            before = layer_state(layer)
+            model.train_on_batch(ids, y)
+            reference.apply_sparse(ids[valid], gradient[valid])
+            counted += 2
+            assert int(numpy_of(layer.out_of_range_ids)) == counted
+            assert_matches(layer, reference, before, ids[valid])
+    found = numpy_of(model.predict_on_batch(ids))
+    np.testing.assert_array_equal(found[~valid], 0)
+    np.testing.assert_allclose(
+        found[valid], layer_state(layer)["embeddings"][ids[valid]], rtol=1e-6
+    )
+    warned = [w for w in caught if "out_of_range_ids" in str(w.message)]
+    eager = mode == "run_eagerly" or BACKEND == "torch"
+    assert len(warned) == (1 if eager else 0), [str(w.message) for w in warned]
+    if warned:
+        assert f"'{layer.name}'" in str(warned[0].message)

@@ -201,6 +201,8 @@ def trained_lookup(
 ):
     """The rows of the table `state[0]` (then its slots) at `ids`, trained in the lookup's backward pass:
     every backend's sequence, which `evaluation` (the backend's `LookupEvaluation`) hooks into autograd.
+    An id past the table (`sparse_rows.in_table`) reads the last row, which the caller masks (its gradient
+    is then zero), and trains nothing.
 
     `learning_rate` and `options` are the row update's for this step (`adam_math.RowUpdate`); `cache` and
     `name` the layer's. Without a catch-up `window`, the forward pass gathers the rows and the
@@ -223,7 +225,7 @@ def trained_lookup(
     if window is None:
 
         def forward(ids, step, learning_rate, tables, window):
-            return ops.take(tables[0], ids, axis=0), None
+            return ops.take(tables[0], ops.minimum(ids, tables[0].shape[0] - 1), axis=0), None
 
         def backward(residuals, row_gradients, ids, step, learning_rate, targets, window):
             values = ops.reshape(row_gradients, (-1,) + tuple(targets[0].shape[1:]))
@@ -259,6 +261,8 @@ def trained_lookup(
             return new_rows, catch_up.advanced_window(window, learning_rate, step, options)
 
         def forward(ids, step, learning_rate, tables, window):
+            # A row looked up for an id past the table steps with a zero gradient: ordinary Adam's step.
+            ids = ops.minimum(ids, tables[0].shape[0] - 1)
             every = catch_up.read_ids(ids, step, tables[0].shape[0], options)
             every, group, distinct, slot = ev.grouped(every, tables[0], cache)
             rows = [ev.gather(t, distinct) for t in tables]

@@ -40,6 +40,13 @@ def padded(ids, *rows):
     return (ids, *rows)
 
 
+def in_table(ids, num_rows):
+    """`ids` with every id outside `[0, num_rows)` moved past the table, to `num_rows`: the rule for ids
+    out of range. Such an id trains nothing: gathers clip it and scatters drop it (JAX, XLA), or it is
+    removed first (`tf.boolean_mask`, torch's indexing); a lookup reads it as a zero row."""
+    return ops.where(ops.logical_and(ids >= 0, ids < num_rows), ids, num_rows)
+
+
 def id_ranks(ids, search=True):
     """Each id's rank among the distinct ids (int32): by a sort of the ids and a binary search (`search`;
     XLA's CPU sort of (id, position) pairs, an argsort, takes 3-5x longer), or by an argsort (TF's XLA

@@ -229,7 +229,8 @@ class DistributedEmbedding(keras.layers.Layer):
     step count under the table's name, so a file loads into any grouping of the same tables;
     `get_embedding_tables()` returns `{table name: rows}`. Everything `kto.layers.Embedding` with
     `optimizer` requires holds here, per group (one call per training step, the model's optimizer
-    unscaled, ...).
+    unscaled, ...). An id outside its table's `[0, vocabulary_size)` reads a zero row, trains nothing (no
+    row of its table or of another) and is counted in `out_of_range_ids`, as in `kto.layers.Embedding`.
 
     Args:
         feature_configs: A nested structure of `FeatureConfig`s.
@@ -359,6 +360,12 @@ class DistributedEmbedding(keras.layers.Layer):
         return tables
 
     @property
+    def out_of_range_ids(self):
+        """The number of ids looked up outside their table's range so far (each read a zero row and trained
+        nothing), over every table: the sum of the groups' `kto.layers.Embedding.out_of_range_ids`."""
+        return sum(ops.convert_to_tensor(g.out_of_range_ids) for g in self._grouping.groups)
+
+    @property
     def optimizer(self):
         """The layer's `EmbeddingAdam` (for tables that name none), or None."""
         return self._optimizer
@@ -465,8 +472,8 @@ class DistributedEmbedding(keras.layers.Layer):
     def _stacked_ids(self, ids, present, tables, rank):
         """`ids` (`(len(tables), *shape)`, table `i`'s ids at `i`) as rows of their group's stacked table. An
         absent entry (`present` False) looks up the zero row after the tables, which nothing reads; an id out
-        of its table's range maps past that (so it fails, or gathers, as the backend's lookup does with such
-        an id), never to another table's row."""
+        of its table's range maps past the stacked table, never to another table's row (the group's layer
+        reads it as a zero row, trains nothing and counts it)."""
         group, _ = self._grouping.placement[tables[0].name]
         sink = self._grouping.rows[group]
         per_table = (len(tables),) + (1,) * rank

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 
 import keras
 from keras import ops
@@ -11,6 +12,7 @@ from keras import ops
 from keras_tpu_optim import _checks, _private, _slots
 from keras_tpu_optim._backend import backend
 from keras_tpu_optim._math import catch_up as catch_up_math
+from keras_tpu_optim._math import sparse_rows
 from keras_tpu_optim.embedding_adam import EmbeddingAdam
 
 # The layer optimizer's options that cannot keep their meaning when the table is updated in the
@@ -123,6 +125,11 @@ class Embedding(keras.layers.Embedding):
     near 1, e.g. `beta_2=0.99` with `beta_1=0.9`), every row is stepped every
     step instead.
 
+    An id outside `[0, input_dim)` reads a zero row and trains nothing (no
+    row, slot or count of its own), on every backend, eager or compiled; such
+    ids are counted in `out_of_range_ids` (an int32 variable, not saved), and
+    a step run eagerly warns once (docs/algorithms.md#ids-out-of-range).
+
     With the optimizer's `skip_nonfinite_updates=True`, a step in which the
     gradient of the looked-up rows holds a NaN or an Inf leaves the table, its
     slots and `iterations` as they were. The layer sees only its rows'
@@ -209,6 +216,14 @@ class Embedding(keras.layers.Embedding):
         if isinstance(rate, keras.Variable):
             # Tracked as the layer's: a compiled JAX step reads its value, not the value when traced.
             self._table_learning_rate = rate
+        self.out_of_range_ids = self.add_weight(
+            shape=(),
+            initializer="zeros",
+            dtype="int32",
+            trainable=False,
+            aggregation="sum",
+            name="out_of_range_ids",
+        )
         self.row_steps = self.catch_up_sums = None
         terms = self._catch_up_terms()
         if self._table_optimizer.bias_correction == "per_row" or terms:
@@ -300,25 +315,29 @@ class Embedding(keras.layers.Embedding):
             return super().call(inputs)
         if inputs.dtype != "int32" and inputs.dtype != "int64":
             inputs = ops.cast(inputs, "int32")
+        ids = self._counted_in_table(inputs)
+        outside = ops.expand_dims(ids == self.input_dim, -1)
         if not training or not self.trainable:
-            if self.catch_up_sums is None:
-                return super().call(inputs)
             step = self.iterations.value
-            outputs = catch_up_math.read_rows(
-                tuple(v.value for v in self._row_state()),
-                inputs,
-                step,
-                self.catch_up_sums.value,
-                self._row_update_arguments(step)[1],
-            )
-            return ops.cast(outputs, dtype=self.compute_dtype)
+            readable = ops.minimum(ids, self.input_dim - 1)
+            if self.catch_up_sums is None:
+                outputs = ops.take(self._embeddings.value, readable, axis=0)
+            else:
+                outputs = catch_up_math.read_rows(
+                    tuple(v.value for v in self._row_state()),
+                    readable,
+                    step,
+                    self.catch_up_sums.value,
+                    self._row_update_arguments(step)[1],
+                )
+            return ops.cast(ops.where(outside, 0, outputs), dtype=self.compute_dtype)
         self._check_one_lookup_per_step()
         _check_model_optimizer(self.name)
         optimizer = self._table_optimizer
         # Read where Keras maps the variables to the step's state.
         learning_rate, options = self._row_update_arguments(self.iterations.value)
         outputs = backend.trained_lookup(
-            inputs,
+            ids,
             self._row_state(),
             self.iterations,
             learning_rate,
@@ -330,7 +349,23 @@ class Embedding(keras.layers.Embedding):
             name=self.name,
             skip_nonfinite=optimizer.skip_nonfinite_updates,
         )
-        return ops.cast(outputs, dtype=self.compute_dtype)
+        return ops.cast(ops.where(outside, 0, outputs), dtype=self.compute_dtype)
+
+    def _counted_in_table(self, ids):
+        """`ids` with those out of range moved past the table (`sparse_rows.in_table`), counted in
+        `out_of_range_ids`; the first time a count is read eagerly, a warning says so."""
+        ids = sparse_rows.in_table(ids, self.input_dim)
+        count = ops.sum(ops.cast(ids == self.input_dim, "int32"))
+        self.out_of_range_ids.assign_add(count)
+        if not self.__dict__.get("_warned_out_of_range") and backend.host_value(count):
+            self.__dict__["_warned_out_of_range"] = True
+            warnings.warn(
+                f"keras_tpu_optim.layers.Embedding '{self.name}': a lookup has ids outside [0, "
+                f"{self.input_dim}), which read zero rows and train nothing. They are counted in the layer's "
+                "`out_of_range_ids`; this is said once.",
+                stacklevel=2,
+            )
+        return ids
 
     def catch_up(self):
         """With `lazy_adam=False`: bring every row of the table and its slots to ordinary Adam's values now,

@@ -36,8 +36,12 @@ def unscale(gradient, scale):
 
 
 def densify(gradient):
-    """A BCOO gradient as a dense array, duplicate indices summed."""
-    return gradient.todense() if isinstance(gradient, jax_sparse.BCOO) else gradient
+    """A BCOO gradient as a dense array, duplicate indices summed, ids out of range dropped."""
+    if not isinstance(gradient, jax_sparse.BCOO):
+        return gradient
+    ids, values = rows.row_entries(gradient)
+    ids = sparse_rows.in_table(ids, gradient.shape[0])
+    return jax.numpy.zeros(gradient.shape, values.dtype).at[ids].add(values, mode="drop")
 
 
 def concrete(x) -> bool:
@@ -293,6 +297,11 @@ class _Lookup(neutral.LookupEvaluation):
 
 
 trained_lookup = functools.partial(neutral.trained_lookup, evaluation=_Lookup())
+
+
+def host_value(x):
+    """`x`'s value as a Python int where it has one now (eagerly), else None."""
+    return int(x) if concrete(x) else None
 
 
 def lookup_trace(iterations):

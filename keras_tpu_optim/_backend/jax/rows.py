@@ -109,10 +109,11 @@ def scatter(table, ids, rows):
 
 
 def sparse_row_update(update_rows, ids, rows, tables, *, accumulate_duplicates):
-    """`sparse_rows.sparse_row_update` of JAX arrays: the new tables. Ids past the table are dropped."""
+    """`sparse_rows.sparse_row_update` of JAX arrays: the new tables. Ids out of range are dropped
+    (`sparse_rows.in_table`: JAX's indexing would wrap a negative one)."""
     return sparse_rows.sparse_row_update(
         update_rows,
-        ids,
+        sparse_rows.in_table(ids, tables[0].shape[0]),
         rows,
         tables,
         accumulate_duplicates=accumulate_duplicates,

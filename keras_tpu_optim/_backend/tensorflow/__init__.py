@@ -111,8 +111,8 @@ def accumulation_rows():
 class _Lookup(neutral.LookupEvaluation):
     """The backward pass writes the table, its slots and the window in place. Outside XLA the catch-up and its
     step are each one XLA computation (op by op, every catch-up term is a kernel), while TF's own kernels
-    group the ids, gather the rows and scatter them (XLA's CPU sort, gathers and scatters are slower), the
-    ids checked first (a gather in XLA would clip them). Refused under a `tf.distribute` strategy: each
+    group the ids, gather the rows and scatter them (XLA's CPU sort, gathers and scatters are slower).
+    Refused under a `tf.distribute` strategy: each
     replica would update the table."""
 
     def hook(self, forward, backward, ids, step, learning_rate, state, window, cache, name):
@@ -147,7 +147,6 @@ class _Lookup(neutral.LookupEvaluation):
 
     def grouped(self, every, table, cache):
         if compiling_helps():
-            every = rows.checked_indices(every, tf.shape(table, out_type=every.dtype)[0], table)
             group = tf.unique(every, out_idx=tf.int32).idx
         else:  # Inside XLA: ranked by a sort (XLA's binary search compares every pair).
             group = sparse_rows.id_ranks(every, False)
@@ -174,6 +173,11 @@ class _Lookup(neutral.LookupEvaluation):
 
 
 trained_lookup = functools.partial(neutral.trained_lookup, evaluation=_Lookup())
+
+
+def host_value(x):
+    """`x`'s value as a Python int where it has one now (eagerly), else None."""
+    return int(x) if tf.executing_eagerly() else None
 
 
 def lookup_trace(iterations):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from keras_tpu_optim import _private
+from keras_tpu_optim._math import sparse_rows
 
 
 def sparse_entries(gradient):
@@ -81,8 +82,20 @@ def unscale(gradient, scale):
     return gradient / scale
 
 
+def in_table(indices, values, num_rows):
+    """The entries whose ids name rows of the table (`sparse_rows.in_table`): under XLA the others moved
+    past the table, where XLA's gathers clip and its scatters drop them; elsewhere (TF's kernels refuse
+    them) removed."""
+    if _private.tf_in_xla_context():
+        return sparse_rows.in_table(indices, tf.cast(num_rows, indices.dtype)), values
+    kept = tf.where(tf.logical_and(indices >= 0, indices < tf.cast(num_rows, indices.dtype)))[:, 0]
+    return tf.gather(indices, kept), tf.gather(values, kept)
+
+
 def densify(gradient):
-    if isinstance(gradient, tf.IndexedSlices):
-        indices, values = sparse_entries(gradient)
-        return tf.convert_to_tensor(tf.IndexedSlices(values, indices, gradient.dense_shape))
-    return gradient
+    """A dense gradient; an IndexedSlices' duplicates summed, its ids out of range dropped."""
+    if isinstance(gradient, tf.IndexedSlices) and gradient.dense_shape is not None:
+        shape = tf.convert_to_tensor(gradient.dense_shape)
+        indices, values = in_table(*sparse_entries(gradient), shape[0])
+        return tf.math.unsorted_segment_sum(values, indices, tf.cast(shape[0], indices.dtype))
+    return tf.convert_to_tensor(gradient)

@@ -15,7 +15,7 @@ from keras_tpu_optim._backend.tensorflow._compile import (
     compiling_helps,
     native_variable,
 )
-from keras_tpu_optim._backend.tensorflow.gradients import sparse_entries
+from keras_tpu_optim._backend.tensorflow.gradients import in_table, sparse_entries
 from keras_tpu_optim._math import embedding_adam as adam_math
 
 
@@ -29,7 +29,8 @@ def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplic
     summed (`accumulate_duplicates`) or the last occurrence kept. Untouched rows keep their bits."""
     targets = [native_variable(variable)] + [native_variable(s) for s in slots]
     if isinstance(gradient, tf.IndexedSlices):
-        sparse_row_update(update_rows, *sparse_entries(gradient), targets, accumulate_duplicates)
+        entries = in_table(*sparse_entries(gradient), tf.shape(targets[0])[0])
+        sparse_row_update(update_rows, *entries, targets, accumulate_duplicates)
         return
     ids = touched_rows(gradient)
     _update_in_place(update_rows, ids, tf.gather(gradient, ids), targets)
@@ -75,8 +76,8 @@ def compiled_lazy_row_update(
     sizes vary from call to call, the entries are padded to a bucket of
     lengths (`sparse_rows.padded`), so that a compilation serves every length
     in it. The options' numbers are arguments (`adam_math.split_options`), so
-    one compilation serves every value of them. The ids are checked first:
-    XLA would clip an out-of-range id silently.
+    one compilation serves every value of them. Ids out of range are removed
+    first (`in_table`).
     """
     structure, option_values = adam_math.split_options(update_rows.options)
     update = compiled_function(
@@ -85,8 +86,7 @@ def compiled_lazy_row_update(
         lambda: _compilable_update(structure, accumulate_duplicates),
     )
     targets = [native_variable(variable)] + [native_variable(s) for s in slots]
-    indices, values = sparse_entries(gradient)
-    indices = checked_indices(indices, tf.shape(targets[0], out_type=indices.dtype)[0], variable)
+    indices, values = in_table(*sparse_entries(gradient), tf.shape(targets[0])[0])
     if tf.executing_eagerly():
         indices, values = sparse_rows.padded(indices, values)
     # The ids numbered by TF's hash, outside XLA: a fraction of the cost of XLA's sort.
@@ -101,21 +101,6 @@ def compiled_lazy_row_update(
         None if ema_step is None else tf.convert_to_tensor(ema_step),
         {name: tf.constant(value, tf.float32) for name, value in option_values.items()},
     )
-
-
-def checked_indices(indices, num_rows, variable):
-    """`indices`, checked to name rows of the table: XLA would clip or drop an out-of-range one silently."""
-    name = (
-        getattr(variable, "path", None) or str(getattr(variable, "name", "the table")).split(":")[0]
-    )
-    message = f"EmbeddingAdam: the gradient of {name} has row indices outside [0, number of rows)"
-    with tf.control_dependencies(
-        [
-            tf.debugging.assert_non_negative(indices, message=message),
-            tf.debugging.assert_less(indices, num_rows, message=message),
-        ]
-    ):
-        return tf.identity(indices)
 
 
 def _compilable_update(structure, accumulate_duplicates):

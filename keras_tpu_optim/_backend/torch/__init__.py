@@ -40,7 +40,12 @@ def unscale(gradient, scale):
 
 
 def densify(gradient):
-    return gradient.to_dense() if gradient.is_sparse else gradient
+    """A dense gradient; a sparse one's duplicates summed, its ids out of range dropped."""
+    if not gradient.is_sparse or gradient.sparse_dim() != 1:
+        return gradient.to_dense() if gradient.is_sparse else gradient
+    indices, values = rows.in_table(*_private.torch_sparse_entries(gradient), gradient.shape[0])
+    dense = values.new_zeros(tuple(gradient.shape))
+    return dense.index_add_(0, indices, values)
 
 
 def blocked_adafactor_applies(platform: str) -> bool:
@@ -247,10 +252,9 @@ class _Lookup(neutral.LookupEvaluation):
     embedding_adam_step = staticmethod(embedding_adam_step)
 
     def sparse_gradient(self, ids, values, table, lazy):
-        # Checked where `to_dense` reads the ids (the lazy path's index ops check them themselves).
-        return torch.sparse_coo_tensor(
-            ids.long()[None], values, tuple(table.shape), check_invariants=not lazy
-        )
+        # Ids past the table (`sparse_rows.in_table`) are removed where the gradient is read (`densify`,
+        # `rows.lazy_row_update`).
+        return torch.sparse_coo_tensor(ids.long()[None], values, tuple(table.shape))
 
 
 trained_lookup = functools.partial(neutral.trained_lookup, evaluation=_Lookup())
@@ -292,6 +296,11 @@ def _check_one_update_per_step(cache, name, iterations):
             "receive the layer's trainable variables.)"
         )
     cache["last_update"] = key
+
+
+def host_value(x):
+    """`x`'s value as a Python int, but under `torch.compile` (None)."""
+    return None if torch.compiler.is_compiling() else int(x)
 
 
 def lookup_trace(iterations):

@@ -34,6 +34,15 @@ class Scratch:
         return buffer[:numel].view(shape)
 
 
+def in_table(indices, values, num_rows):
+    """The entries whose ids name rows of the table (`sparse_rows.in_table`); the others removed, which
+    torch's index ops would refuse."""
+    kept = (indices >= 0) & (indices < num_rows)
+    if bool(kept.all()):
+        return indices, values
+    return indices[kept], values[kept]
+
+
 def unique_rows(indices, values, accumulate_duplicates, scratch=None):
     """`(ids, rows)`: the distinct ids of a sparse gradient's entries and their rows, duplicates summed
     (`accumulate_duplicates`) or the last occurrence's kept; `rows` may be a `scratch` buffer."""
@@ -114,8 +123,8 @@ def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplic
     """Update only the rows present in `gradient` (sparse COO indices, or a dense gradient's non-zero rows) by
     `update_rows` (an `adam_math.RowUpdate`); duplicate ids summed (`accumulate_duplicates`) or the last kept."""
     if gradient.is_sparse:
-        indices, values = _private.torch_sparse_entries(gradient)
-        ids, grad_rows = unique_rows(indices, values, accumulate_duplicates, scratch)
+        entries = in_table(*_private.torch_sparse_entries(gradient), gradient.shape[0])
+        ids, grad_rows = unique_rows(*entries, accumulate_duplicates, scratch)
     elif torch.compiler.is_compiling():
         masked_row_update(update_rows, gradient, [variable.value] + [s.value for s in slots])
         return
