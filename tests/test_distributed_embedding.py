@@ -17,7 +17,7 @@ from keras import ops
 import keras_tpu_optim as kto
 from keras_tpu_optim.layers import DistributedEmbedding, FeatureConfig, TableConfig
 from reference.numpy_embedding_adam import NumpyEmbeddingAdam
-from test_layers_embedding import OPTION_CASES, numpy_of, reference_arguments
+from test_layers_embedding import MODES, OPTION_CASES, numpy_of, reference_arguments
 
 BACKEND = keras.backend.backend()
 BATCH, K = 6, 3
@@ -281,8 +281,9 @@ def test_no_optimizer_and_wrong_shapes_raise():
         )([np.zeros((4,), "int32")])
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("bad", [3, -1, 2**30])
-def test_ids_out_of_their_tables_range_read_zero_rows_and_train_nothing(bad):
+def test_ids_out_of_their_tables_range_read_zero_rows_and_train_nothing(bad, mode):
     """Tables "a" (pooled by "sum") and "b" are stacked; ids outside "a"'s range, in a training step beside
     valid ids, read zero rows and train nothing: "b" and "a"'s rows not looked up keep their bits, and the
     tables train as in a step where those entries have weight 0. The layer counts them."""
@@ -298,7 +299,8 @@ def test_ids_out_of_their_tables_range_read_zero_rows_and_train_nothing(bad):
         ids = [keras.Input((2,), dtype="int32"), keras.Input((), dtype="int32")]
         weights = [keras.Input((2,)), keras.Input(())]
         model = keras.Model([ids, weights], keras.layers.Concatenate()(layer(ids, weights)))
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        modes = {} if mode == "default" else {mode: True}
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **modes)
         batch = [
             [np.asarray(ids_a, "int32"), np.array([1, 2], "int32")],
             [np.asarray(weights_a, "float32"), np.ones((2,), "float32")],

@@ -40,11 +40,18 @@ def padded(ids, *rows):
     return (ids, *rows)
 
 
-def in_table(ids, num_rows):
-    """`ids` with every id outside `[0, num_rows)` moved past the table, to `num_rows`: the rule for ids
-    out of range. Such an id trains nothing: gathers clip it and scatters drop it (JAX, XLA), or it is
-    removed first (`tf.boolean_mask`, torch's indexing); a lookup reads it as a zero row."""
-    return ops.where(ops.logical_and(ids >= 0, ids < num_rows), ids, num_rows)
+def out_of_range(ids, num_rows):
+    """Where `ids` are outside `[0, num_rows)`."""
+    return ops.logical_or(ids < 0, ids >= num_rows)
+
+
+def in_table(ids, num_rows, outside=None):
+    """`ids` with every id outside `[0, num_rows)` (`outside`, where known) moved past the table, to
+    `num_rows`: the rule for ids out of range. Such an id trains nothing: gathers clip it and scatters
+    drop it (JAX, XLA), or it is removed first (TF's kernels, torch's indexing); a lookup reads it as a
+    zero row."""
+    outside = out_of_range(ids, num_rows) if outside is None else outside
+    return ops.where(outside, num_rows, ids)
 
 
 def id_ranks(ids, search=True):

@@ -315,8 +315,7 @@ class Embedding(keras.layers.Embedding):
             return super().call(inputs)
         if inputs.dtype != "int32" and inputs.dtype != "int64":
             inputs = ops.cast(inputs, "int32")
-        ids = self._counted_in_table(inputs)
-        outside = ops.expand_dims(ids == self.input_dim, -1)
+        ids, outside = self._counted_in_table(inputs)
         if not training or not self.trainable:
             step = self.iterations.value
             readable = ops.minimum(ids, self.input_dim - 1)
@@ -330,7 +329,7 @@ class Embedding(keras.layers.Embedding):
                     self.catch_up_sums.value,
                     self._row_update_arguments(step)[1],
                 )
-            return ops.cast(ops.where(outside, 0, outputs), dtype=self.compute_dtype)
+            return self._masked(outputs, outside)
         self._check_one_lookup_per_step()
         _check_model_optimizer(self.name)
         optimizer = self._table_optimizer
@@ -349,23 +348,33 @@ class Embedding(keras.layers.Embedding):
             name=self.name,
             skip_nonfinite=optimizer.skip_nonfinite_updates,
         )
-        return ops.cast(ops.where(outside, 0, outputs), dtype=self.compute_dtype)
+        return self._masked(outputs, outside)
 
     def _counted_in_table(self, ids):
-        """`ids` with those out of range moved past the table (`sparse_rows.in_table`), counted in
-        `out_of_range_ids`; the first time a count is read eagerly, a warning says so."""
-        ids = sparse_rows.in_table(ids, self.input_dim)
-        count = ops.sum(ops.cast(ids == self.input_dim, "int32"))
+        """`(ids, outside)`: `ids` with those out of range moved past the table (`sparse_rows.in_table`),
+        counted in `out_of_range_ids`, and where they are (None where none is, known eagerly: the ids are
+        then used as they are). The first count read eagerly that is not 0 is said in a warning."""
+        outside = sparse_rows.out_of_range(ids, self.input_dim)
+        count = ops.sum(ops.cast(outside, "int32"))
+        known = backend.host_value(count)
+        if known == 0:
+            return ids, None
         self.out_of_range_ids.assign_add(count)
-        if not self.__dict__.get("_warned_out_of_range") and backend.host_value(count):
+        if known and not self.__dict__.get("_warned_out_of_range"):
             self.__dict__["_warned_out_of_range"] = True
             warnings.warn(
                 f"keras_tpu_optim.layers.Embedding '{self.name}': a lookup has ids outside [0, "
                 f"{self.input_dim}), which read zero rows and train nothing. They are counted in the layer's "
                 "`out_of_range_ids`; this is said once.",
-                stacklevel=2,
+                stacklevel=3,
             )
-        return ids
+        return sparse_rows.in_table(ids, self.input_dim, outside), ops.expand_dims(outside, -1)
+
+    def _masked(self, outputs, outside):
+        """The looked-up `outputs` with the rows of ids out of range zero, in the layer's compute dtype."""
+        if outside is not None:
+            outputs = ops.where(outside, 0, outputs)
+        return ops.cast(outputs, dtype=self.compute_dtype)
 
     def catch_up(self):
         """With `lazy_adam=False`: bring every row of the table and its slots to ordinary Adam's values now,

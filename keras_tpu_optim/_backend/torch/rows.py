@@ -37,9 +37,12 @@ class Scratch:
 def in_table(indices, values, num_rows):
     """The entries whose ids name rows of the table (`sparse_rows.in_table`); the others removed, which
     torch's index ops would refuse."""
-    kept = (indices >= 0) & (indices < num_rows)
-    if bool(kept.all()):
+    if indices.numel() == 0:
         return indices, values
+    low, high = indices.aminmax()
+    if bool((low >= 0) & (high < num_rows)):
+        return indices, values
+    kept = (indices >= 0) & (indices < num_rows)
     return indices[kept], values[kept]
 
 
