@@ -11,6 +11,7 @@ from keras_tpu_optim import _checks, _private, _slots
 from keras_tpu_optim._backend import backend
 from keras_tpu_optim._base import BASE_KEYWORDS, OptimizerBase, VariableState
 from keras_tpu_optim._math import embedding_adam as adam_math
+from keras_tpu_optim._math import stochastic_rounding
 
 SLOT_NAMES = ("momenta", "velocities")
 SECOND_MOMENTS = ("full", "rowwise")
@@ -44,15 +45,18 @@ _HYPERPARAMETERS = (
     "beta_1 beta_2 epsilon lazy_adam sum_inside_sqrt use_gradient_accumulation clip_weight_min "
     "clip_weight_max weight_decay_factor multiply_weight_decay_factor_by_learning_rate "
     "slot_variable_creation_fn clipvalue low_dimensional_packing_status max_touched_rows "
-    "second_moment bias_correction"
+    "second_moment bias_correction momentum_dtype velocity_dtype stochastic_rounding seed"
 ).split()
 _ROW_UPDATE_HYPERPARAMETERS = (
-    "beta_1 beta_2 epsilon sum_inside_sqrt clip_weight_min clip_weight_max second_moment bias_correction"
+    "beta_1 beta_2 epsilon sum_inside_sqrt clip_weight_min clip_weight_max second_moment bias_correction "
+    "stochastic_rounding seed"
 ).split()
-# What decides the optimizer's state (which slots, of which shapes): fixed once it is built.
+# What decides the optimizer's state (which slots, of which shapes and dtypes): fixed once it is built.
 _STATE_DEFINING = frozenset(
-    "lazy_adam use_gradient_accumulation slot_variable_creation_fn second_moment bias_correction".split()
+    "lazy_adam use_gradient_accumulation slot_variable_creation_fn second_moment bias_correction "
+    "momentum_dtype velocity_dtype".split()
 )
+SLOT_DTYPES = ("float32", "bfloat16")
 
 
 def _check_arguments(values: dict, weight_decay):
@@ -102,6 +106,11 @@ def _check_arguments(values: dict, weight_decay):
     _checks.check_int("max_touched_rows", a.max_touched_rows, low=1, allow_none=True)
     _checks.check_choice("second_moment", a.second_moment, SECOND_MOMENTS)
     _checks.check_choice("bias_correction", a.bias_correction, BIAS_CORRECTIONS)
+    _checks.check_choice("momentum_dtype", a.momentum_dtype, SLOT_DTYPES)
+    _checks.check_choice("velocity_dtype", a.velocity_dtype, SLOT_DTYPES)
+    _checks.check_bool("stochastic_rounding", a.stochastic_rounding)
+    if _checks.check_int("seed", a.seed, low=0) >= stochastic_rounding.SEED_LIMIT:
+        raise ValueError(f"Argument `seed` must be an int in [0, 2^31). Received: seed={a.seed!r}")
 
 
 @keras.saving.register_keras_serializable(package="keras_tpu_optim")
@@ -188,6 +197,16 @@ class EmbeddingAdam(OptimizerBase):
             updates the row has had, this one included; adds an int32
             `row_steps` slot of shape `(rows,)`). With `lazy_adam=False`
             every row is updated every step, so both are the same.
+        momentum_dtype, velocity_dtype: `"float32"` (the default) or
+            `"bfloat16"`: the dtype of the `momenta` and `velocities` slots. The
+            update is computed in float32 and stored rounded (below).
+        stochastic_rounding: bool. If True, a bfloat16/float16 table or slot
+            stores its float32 result rounded stochastically, without bias,
+            instead of to nearest, so updates smaller than its spacing still
+            add up on average. The random bits come from `(seed, step, table
+            index, slot, element index)`: the same bits on every backend and
+            path, nothing to save but the seed. Defaults to `False`.
+        seed: int in [0, 2^31), the seed of stochastic rounding. Defaults to `0`.
         max_touched_rows: int or None, the static row capacity of one
             gather/update/scatter round for dense gradients on JAX (shapes
             must be static under `jax.jit`). A step that touches more rows
@@ -212,8 +231,9 @@ class EmbeddingAdam(OptimizerBase):
     Every argument is also an attribute; setting one after construction is
     checked as the constructor checks it and takes effect at the next step.
     `lazy_adam`, `use_gradient_accumulation`, `slot_variable_creation_fn`,
-    `second_moment` and `bias_correction` decide the optimizer's state and
-    cannot change once it is built (a `ValueError`).
+    `second_moment`, `bias_correction`, `momentum_dtype` and `velocity_dtype`
+    decide the optimizer's state and cannot change once it is built (a
+    `ValueError`).
     """
 
     def __init__(
@@ -235,6 +255,10 @@ class EmbeddingAdam(OptimizerBase):
         max_touched_rows=None,
         second_moment="full",
         bias_correction="global",
+        momentum_dtype="float32",
+        velocity_dtype="float32",
+        stochastic_rounding=False,
+        seed=0,
         weight_decay=None,
         clipnorm=None,
         global_clipnorm=None,
@@ -277,9 +301,12 @@ class EmbeddingAdam(OptimizerBase):
     def _make_state(self, variable) -> VariableState:
         """A table's slots, in the order of `_row_update_options().slot_names` (the row update reads them so)."""
         if self.slot_variable_creation_fn is None:
+            dtypes = (self.momentum_dtype, self.velocity_dtype)
             slots = tuple(
-                _slots.add_slot(self, variable, name, kept_axes=self._kept_axes(variable, name))
-                for name in SLOT_NAMES
+                _slots.add_slot(
+                    self, variable, name, kept_axes=self._kept_axes(variable, name), dtype=dtype
+                )
+                for name, dtype in zip(SLOT_NAMES, dtypes)
             )
         else:
             slots = self._create_slots_with_user_fn(variable)
@@ -459,7 +486,13 @@ class EmbeddingAdam(OptimizerBase):
             gradient,
             variable,
             self._row_slots(variable),
-            adam_math.RowUpdate(learning_rate, self._row_update_options(variable), ema_step),
+            adam_math.RowUpdate(
+                learning_rate,
+                self._row_update_options(variable),
+                ema_step,
+                step=ops.cast(self.iterations, "int32"),
+                variable_index=_private.variable_index(self, variable),
+            ),
             lazy=self.lazy_adam,
             accumulate_duplicates=self.use_gradient_accumulation,
             max_touched_rows=self.max_touched_rows,

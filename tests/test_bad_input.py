@@ -82,6 +82,11 @@ EMBEDDING_ADAM_BAD = [
     ({"second_moment": None}, "second_moment"),
     ({"bias_correction": "row"}, "bias_correction"),
     ({"bias_correction": True}, "bias_correction"),
+    ({"momentum_dtype": "float16"}, "momentum_dtype"),
+    ({"velocity_dtype": "int8"}, "velocity_dtype"),
+    ({"stochastic_rounding": "yes"}, "stochastic_rounding"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**31}, "seed"),
 ]
 BAD = [(kto.Adafactor, k, w) for k, w in COMMON_BAD + ADAFACTOR_BAD] + [
     (kto.EmbeddingAdam, k, w) for k, w in COMMON_BAD + EMBEDDING_ADAM_BAD

@@ -364,3 +364,73 @@ def test_jax_sharded_variable_gives_the_single_device_bits():
         np.testing.assert_array_equal(_values(weight), single)
     finally:
         keras.distribution.set_distribution(None)
+
+
+# --------------------------------------------------------------------------- EmbeddingAdam
+
+
+def _embedding_adam_gradient(rows, dim, touched, seed, sparse):
+    values = np.random.default_rng(seed).normal(size=(len(touched), dim)).astype(np.float32)
+    if not sparse:
+        dense = np.zeros((rows, dim), np.float32)
+        np.add.at(dense, touched, values)
+        return ops.convert_to_tensor(dense)
+    from test_bad_input import _sparse_gradient
+
+    return _sparse_gradient(touched, values, (rows, dim))
+
+
+EMBEDDING_ADAM_CASES = {
+    "lazy_dense": dict(options={}, sparse=False),
+    "lazy_sparse": dict(options={}, sparse=True),
+    "not_lazy_rowwise": dict(options=dict(lazy_adam=False, second_moment="rowwise"), sparse=True),
+}
+
+
+@pytest.mark.parametrize("case", list(EMBEDDING_ADAM_CASES))
+def test_embedding_adam_stores_its_float32_step_rounded_as_the_reference(case):
+    """A bf16 table with bf16 `momenta` and `velocities`, stepped with `stochastic_rounding=True`: each of them
+    holds the float32 result of the same step (a float32 twin started from the same values) rounded by the
+    numpy reference, keyed by the step, `3 * table index + (0, 1, 2)` and each element's index in its variable
+    (rows not touched keep their bits). Two tables, two steps; the same on every backend's gradient kind."""
+    options, sparse = EMBEDDING_ADAM_CASES[case]["options"], EMBEDDING_ADAM_CASES[case]["sparse"]
+    rows, dim, seed = 40, 6, 11
+    rng = np.random.default_rng(0)
+    tables = [rng.normal(size=(rows, dim)).astype(ml_dtypes.bfloat16) for _ in range(2)]
+    half = [keras.Variable(t, dtype="bfloat16", name=f"t{i}") for i, t in enumerate(tables)]
+    full = [keras.Variable(t.astype(np.float32), name=f"t{i}") for i, t in enumerate(tables)]
+    kwargs = dict(learning_rate=0.01, **options)
+    rounded = kto.EmbeddingAdam(
+        momentum_dtype="bfloat16",
+        velocity_dtype="bfloat16",
+        stochastic_rounding=True,
+        seed=seed,
+        **kwargs,
+    )
+    twin = kto.EmbeddingAdam(**kwargs)
+    rounded.build(half)
+    twin.build(full)
+    touched = [[3, 7, 7, 20], [0, 39, 5]]
+    for step in range(2):
+        for source, target in zip(rounded.variables, twin.variables):  # the twin starts where it is
+            target.assign(ops.cast(source, target.dtype))
+        for variable, twin_variable in zip(half, full):
+            twin_variable.assign(ops.cast(variable, "float32"))
+        grads = [
+            _embedding_adam_gradient(rows, dim, ids, 10 * step + i, sparse)
+            for i, ids in enumerate(touched)
+        ]
+        rounded.apply(grads, half)
+        twin.apply(grads, full)
+        for index, (variable, twin_variable) in enumerate(zip(half, full)):
+            stored = [variable] + list(rounded._state_of(variable).slots[:2])
+            exact = [twin_variable] + list(twin._state_of(twin_variable).slots[:2])
+            for stream, (got, want) in enumerate(zip(stored, exact)):
+                want = reference_round(
+                    ops.convert_to_numpy(want), "bfloat16", seed, step, 3 * index + stream
+                )
+                np.testing.assert_array_equal(
+                    ops.convert_to_numpy(ops.cast(got, "float32")),
+                    want.astype(np.float32),
+                    err_msg=f"step {step}, table {index}, stream {stream}",
+                )

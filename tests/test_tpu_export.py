@@ -137,6 +137,20 @@ def test_keras_options_no_engine_honours_raise(option, value):
         to_tpu_embedding(kto.EmbeddingAdam(**{option: value}))
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"momentum_dtype": "bfloat16"}, {"velocity_dtype": "bfloat16", "stochastic_rounding": True}],
+)
+def test_half_width_state_exports_saying_what_it_casts(options):
+    """The engines keep float32 tables and slots: the export warns, naming each half-width option."""
+    require_tpu_backend()
+    with pytest.warns(UserWarning, match="cast to float32") as caught:
+        exported = to_tpu_embedding(kto.EmbeddingAdam(**options))
+    assert exported is not None
+    for name, value in options.items():
+        assert f"{name}={value!r}" in str(caught[0].message)
+
+
 def test_weight_decay_exclusions_raise():
     require_tpu_backend()
     optimizer = kto.EmbeddingAdam(weight_decay=0.1)

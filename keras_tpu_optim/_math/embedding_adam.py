@@ -9,8 +9,10 @@ import math
 from typing import Any, Optional
 
 from keras import ops
+from keras.backend import standardize_dtype
 
 from keras_tpu_optim._math import options as options_math
+from keras_tpu_optim._math import stochastic_rounding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +41,10 @@ class RowUpdateOptions:
     ema_copy_updates: int = 1
     # Ordinary (non-lazy) Adam by catching rows up (`_math.catch_up`): its window, or 0.
     catch_up_window: int = 0
+    # How a bfloat16/float16 table or slot stores its float32 result: rounded to nearest, or
+    # stochastically (`_math.stochastic_rounding`) from `seed`.
+    stochastic_rounding: bool = False
+    seed: int = 0
 
     @property
     def adam_slot_names(self) -> tuple:
@@ -201,11 +207,40 @@ def mark_touched(gradient, window, number):
     return ops.where(touched_row_mask(gradient), ops.cast(number, window.dtype), window)
 
 
+def stored(new, dtype, stream: int, *, ids, step, variable_index, options: RowUpdateOptions):
+    """The float32 rows `new` in their variable's `dtype`: rounded to nearest, or, with
+    `options.stochastic_rounding` and a bfloat16/float16 `dtype`, stochastically, keyed by the seed, the
+    optimizer's `step`, `3 * variable_index + stream` (stream 0: the table, 1: `momenta`, 2:
+    `velocities`) and each element's index in its variable (rows `ids`; None: every row, in order), so
+    that a row draws the same bits on every backend and path."""
+    if not options.stochastic_rounding or standardize_dtype(dtype) not in ("bfloat16", "float16"):
+        return ops.cast(new, dtype)
+    return stochastic_rounding.stochastic_round(
+        new,
+        dtype,
+        seed=options.seed,
+        step=step,
+        variable_index=3 * variable_index + stream,
+        index=None if ids is None else stochastic_rounding.row_elements(ids, new.shape),
+    )
+
+
 def update_rows_in_float32(
-    grad, weight, momenta, velocities, *extra_slots, learning_rate, options, ema_step=None
+    grad,
+    weight,
+    momenta,
+    velocities,
+    *extra_slots,
+    learning_rate,
+    options,
+    ema_step=None,
+    step=None,
+    variable_index=0,
+    ids=None,
 ):
     """`row_update` on rows of any dtype, in float32, and the lazy EMA's (`ema_step`): the slots are
-    `options.slot_names`'."""
+    `options.slot_names`'. The table and its moments are stored as `stored` says (`step`,
+    `variable_index`, `ids`: its key)."""
     adam_extra = extra_slots[: len(options.adam_slot_names) - 2]
     new_values = row_update(
         ops.cast(grad, "float32"),
@@ -217,7 +252,11 @@ def update_rows_in_float32(
         *adam_extra,
     )
     old = (weight, momenta, velocities, *adam_extra)
-    new_values = tuple(ops.cast(new, before.dtype) for new, before in zip(new_values, old))
+    key = dict(ids=ids, step=step, variable_index=variable_index, options=options)
+    new_values = tuple(
+        stored(new, before.dtype, stream, **key) if stream < 3 else ops.cast(new, before.dtype)
+        for stream, (new, before) in enumerate(zip(new_values, old))
+    )
     if options.ema_momentum is None:
         return new_values
     average_steps, average = extra_slots[len(adam_extra) :]
@@ -240,6 +279,10 @@ class RowUpdate:
     learning_rate: Any
     options: RowUpdateOptions
     ema_step: Any = None
+    # The key of stochastic rounding (`stored`): the optimizer's step and the table's index.
+    step: Any = None
+    variable_index: Any = 0
 
-    def __call__(self, grad, weight, *slots):
-        return update_rows_in_float32(grad, weight, *slots, **vars(self))
+    def __call__(self, grad, weight, *slots, ids=None):
+        """The new rows `ids` (None: every row, in order) of the table and its slots."""
+        return update_rows_in_float32(grad, weight, *slots, **vars(self), ids=ids)

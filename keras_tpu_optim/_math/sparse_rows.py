@@ -116,5 +116,5 @@ def sparse_row_update(
     `ids` only; a backend passes `gather(table, ids)` and `scatter(table, ids, rows) -> table` (rows
     cast to the table's dtype)."""
     ids, rows = grouped_rows(ids, rows, accumulate_duplicates, group, search)
-    new_rows = update_rows(rows, *(gather(t, ids) for t in tables))
+    new_rows = update_rows(rows, *(gather(t, ids) for t in tables), ids=ids)
     return tuple(scatter(t, ids, new) for t, new in zip(tables, new_rows))

@@ -43,15 +43,18 @@ def _mix(h):
     return ops.bitwise_xor(h, _shift_right_logical(h, 16))
 
 
-def random_bits(shape, seed, step, variable_index, offset=0):
+def random_bits(shape, seed, step, variable_index, offset=0, index=None):
     """32 random bits per element (int32 of `shape`): a hash of `(seed, step, variable_index, element
-    index)`, the index row-major in `shape` plus `offset` (a block's start in a larger variable)."""
+    index)`, the index row-major in `shape` plus `offset` (a block's start in a larger variable), or
+    `index` (int32, of `shape`: the elements' row-major indices in their variable, for rows gathered
+    from it)."""
     key = _mix(_int32(seed))
     key = _mix(ops.bitwise_xor(key, ops.add(_int32(step), _int32(_STEP_SALT))))
     key = _mix(ops.bitwise_xor(key, ops.add(_int32(variable_index), _int32(_VARIABLE_SALT))))
-    shape = tuple(int(d) for d in shape)
-    index = ops.arange(int(offset), int(offset) + math.prod(shape), dtype="int32")
-    index = ops.reshape(index, shape)
+    if index is None:
+        shape = tuple(int(d) for d in shape)
+        index = ops.arange(int(offset), int(offset) + math.prod(shape), dtype="int32")
+        index = ops.reshape(index, shape)
     h = _mix(ops.add(ops.multiply(index, _int32(_GOLDEN)), key))
     # A second round keyed apart from the first (with `key + _GOLDEN` here,
     # element 1 would cancel to 0 under every key).
@@ -67,18 +70,29 @@ def _round_low_bits(x, bits, dropped: int):
     return ops.view(rounded, "float32")
 
 
-def stochastic_round(x, dtype, *, seed, step, variable_index, shape=None, offset=0):
+def row_elements(ids, shape):
+    """The row-major indices (int32) in their variable of the elements of rows `ids` (`shape`: the rows'
+    shape, `(len(ids), *row_shape)`); wrapping past 2^31 elements, as uint32 arithmetic does."""
+    width = math.prod(int(d) for d in shape[1:])
+    ids = ops.reshape(ops.cast(ids, "int32"), (-1,) + (1,) * (len(shape) - 1))
+    within = ops.reshape(ops.arange(width, dtype="int32"), (1,) + tuple(int(d) for d in shape[1:]))
+    return ops.add(ops.multiply(ids, _int32(width)), within)
+
+
+def stochastic_round(x, dtype, *, seed, step, variable_index, shape=None, offset=0, index=None):
     """float32 `x` rounded stochastically and without bias to `dtype` (`bfloat16`, `float16`; others cast).
 
     Infinities and NaN pass through. float16 subnormals are rounded on `|x| * 2^24`; float32 subnormal
     inputs may differ in bits (some backends flush them). `shape`: `x`'s static shape if `x.shape` is
-    not fully known.
+    not fully known; `offset`, `index`: as `random_bits`'.
     """
     dtype = keras.backend.standardize_dtype(dtype)
     if dtype not in ("bfloat16", "float16"):
         return ops.cast(x, dtype)
     x = ops.cast(x, "float32")
-    bits = random_bits(x.shape if shape is None else shape, seed, step, variable_index, offset)
+    bits = random_bits(
+        x.shape if shape is None else shape, seed, step, variable_index, offset, index
+    )
     if dtype == "bfloat16":
         rounded = _round_low_bits(x, bits, 16)
     else:

@@ -3,6 +3,7 @@ the learning rate."""
 
 from __future__ import annotations
 
+import warnings
 
 from keras_tpu_optim import _private
 
@@ -61,6 +62,21 @@ def check_options(optimizer, engine: str, *engine_refusals) -> None:
             "`exclude_from_weight_decay(...)`: the export is one table's optimizer and cannot "
             "tell which variables are excluded. Export an optimizer without exclusions for the "
             "tables to decay, and one without `weight_decay` for the others."
+        )
+    half = [
+        f"{name}={getattr(o, name)!r}"
+        for name, default in (
+            ("momentum_dtype", "float32"),
+            ("velocity_dtype", "float32"),
+            ("stochastic_rounding", False),
+        )
+        if getattr(o, name) != default
+    ]
+    if half:
+        warnings.warn(
+            f"`to_tpu_embedding`: the {engine} keeps its tables and slots in float32 and rounds to "
+            f"nearest, so {', '.join(half)} is not carried over: state moved there is cast to float32.",
+            stacklevel=3,
         )
     _refuse(
         o,

@@ -215,6 +215,10 @@ def embedding_adam_step(
         ops.convert_to_tensor(update_rows.learning_rate),
         None if ema_step is None else ops.convert_to_tensor(ema_step),
         {name: ops.convert_to_tensor(value, "float32") for name, value in values.items()},
+        tuple(
+            ops.cast(0 if x is None else x, "int32")
+            for x in (update_rows.step, update_rows.variable_index)
+        ),
     )
     for target, value in zip(targets, new_values):
         target.assign(value)
@@ -231,9 +235,9 @@ def _row_update(path, structure):
     """
     kind, static = path
 
-    def row_values(entries, tables, learning_rate, ema_step, values):
+    def row_values(entries, tables, learning_rate, ema_step, values, key):
         update_rows = adam_math.RowUpdate(
-            learning_rate, adam_math.joined_options(structure, values), ema_step
+            learning_rate, adam_math.joined_options(structure, values), ema_step, *key
         )
         if kind == "dense":
             return rows.lazy_row_update(update_rows, *entries, tables, capacity=static)

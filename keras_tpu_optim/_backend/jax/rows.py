@@ -73,7 +73,7 @@ def lazy_row_update(update_rows, gradient, tables, *, capacity):
     def update_round(state):
         done, left, tables = state
         ids = first_set_bits(left, capacity, num_rows)  # padded with ids past the table
-        new_rows = update_rows(gather(gradient, ids), *(gather(t, ids) for t in tables))
+        new_rows = update_rows(gather(gradient, ids), *(gather(t, ids) for t in tables), ids=ids)
         tables = tuple(scatter(t, ids, r) for t, r in zip(tables, new_rows))
         return done + capacity, clear_through(left, ids[capacity - 1]), tables
 

@@ -51,7 +51,7 @@ def sparse_row_update(update_rows, indices, values, targets, accumulate_duplicat
 
 def _update_in_place(update_rows, ids, grad_rows, targets):
     """Gather the rows `ids` (distinct) of `targets`, update them, scatter them back."""
-    new_rows = update_rows(grad_rows, *(tf.gather(t, ids) for t in targets))
+    new_rows = update_rows(grad_rows, *(tf.gather(t, ids) for t in targets), ids=ids)
     for target, new in zip(targets, new_rows):
         _scatter(target, ids, new)
 
@@ -100,13 +100,22 @@ def compiled_lazy_row_update(
         targets,
         None if ema_step is None else tf.convert_to_tensor(ema_step),
         {name: tf.constant(value, tf.float32) for name, value in option_values.items()},
+        _rounding_key(update_rows),
+    )
+
+
+def _rounding_key(update_rows):
+    """The row update's `(step, variable_index)` as int32 tensors (arguments of a compiled update)."""
+    return tuple(
+        tf.cast(0 if x is None else x, tf.int32)
+        for x in (update_rows.step, update_rows.variable_index)
     )
 
 
 def _compilable_update(structure, accumulate_duplicates):
-    def row_step(indices, group, values, learning_rate, targets, ema_step, option_values):
+    def row_step(indices, group, values, learning_rate, targets, ema_step, option_values, key):
         options = adam_math.joined_options(structure, option_values)
-        update_rows = adam_math.RowUpdate(learning_rate, options, ema_step)
+        update_rows = adam_math.RowUpdate(learning_rate, options, ema_step, *key)
         sparse_row_update(update_rows, indices, values, targets, accumulate_duplicates, group)
 
     return row_step

@@ -170,7 +170,7 @@ def update_in_place(update_rows, ids, grad_rows, targets, scratch=None):
     The gathered rows live in `scratch`'s buffers where one is given.
     """
     gathered = [_gather(t, ids, scratch, GATHER_SLOTS + i) for i, t in enumerate(targets)]
-    for target, rows in zip(targets, update_rows(grad_rows, *gathered)):
+    for target, rows in zip(targets, update_rows(grad_rows, *gathered, ids=ids)):
         target.index_copy_(0, ids, rows)
 
 
