@@ -35,7 +35,11 @@ def learning_rate_at(optimizer, step):
     if isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule):
         return learning_rate(step)
     if isinstance(learning_rate, keras.Variable):
-        return learning_rate.value
+        # Read as stored: a layer calling this under a mixed policy's autocast would round it.
+        from keras.src.backend.common.variables import AutocastScope
+
+        with AutocastScope(None):
+            return learning_rate.value
     if callable(learning_rate):
         return learning_rate()
     return learning_rate

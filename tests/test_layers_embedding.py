@@ -654,3 +654,94 @@ def test_out_of_range_ids_read_zero_rows_and_train_nothing(case, mode, bad):
     assert len(warned) == (1 if eager else 0), [str(w.message) for w in warned]
     if warned:
         assert f"'{layer.name}'" in str(warned[0].message)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"second_moment": "rowwise"}, {"use_gradient_accumulation": False}],
+    ids=["lazy", "rowwise", "last_occurrence"],
+)
+def test_bf16_table_and_slots_store_the_float32_step_rounded_as_the_reference(options):
+    """A bfloat16 table with bfloat16 `momenta` and `velocities` and `stochastic_rounding=True`: after each
+    step each holds the float32 result of a float32 twin (`mixed_bfloat16`: the same bf16 rows and
+    gradients, started from the same state) rounded by the numpy reference of the hash (streams 0, 1, 2 of
+    table index 0, the layer's step); rows not looked up keep their bits."""
+    from test_stochastic_rounding import reference_round
+
+    seed = 21
+    half_width = dict(momentum_dtype="bfloat16", velocity_dtype="bfloat16")
+
+    def model(dtype, **extra):
+        optimizer = kto.EmbeddingAdam(learning_rate=0.01, **options, **extra)
+        layer = kto.layers.Embedding(
+            ROWS,
+            DIM,
+            optimizer=optimizer,
+            dtype=dtype,
+            embeddings_initializer=keras.initializers.Constant(initial_table()),
+        )
+        ids = keras.Input((K,), dtype="int32")
+        built = keras.Model(ids, keras.ops.cast(layer(ids), "float32"))
+        built.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return built, layer
+
+    half, half_layer = model("bfloat16", stochastic_rounding=True, seed=seed, **half_width)
+    twin, twin_layer = model("mixed_bfloat16")
+    names = ("embeddings", "momenta", "velocities")
+    for step, ids in enumerate(STEP_IDS):
+        for name, value in half_layer.table_state().items():  # the twin starts where the layer is
+            twin_layer.table_state()[name].assign(numpy_of(value).astype(np.float32))
+        y = targets(step, (BATCH, K, DIM))
+        half.train_on_batch(np.asarray(ids, np.int32), y)
+        twin.train_on_batch(np.asarray(ids, np.int32), y)
+        for stream, name in enumerate(names):
+            want = reference_round(
+                numpy_of(twin_layer.table_state()[name]).astype(np.float32),
+                "bfloat16",
+                seed,
+                step,
+                stream,
+            )
+            np.testing.assert_array_equal(
+                numpy_of(half_layer.table_state()[name]), want.astype(np.float64), err_msg=name
+            )
+        assert half_layer.table_state()[name].dtype == "bfloat16"
+
+
+def test_lazy_adam_false_with_half_width_slots_raises_naming_them():
+    layer = kto.layers.Embedding(
+        ROWS, DIM, optimizer=kto.EmbeddingAdam(lazy_adam=False, momentum_dtype="bfloat16")
+    )
+    with pytest.raises(ValueError, match="lazy_adam=False.*momentum_dtype='bfloat16'"):
+        layer(np.zeros((2,), "int32"), training=True)
+
+
+def test_mixed_bfloat16_keeps_the_table_and_its_state_in_float32():
+    """Under `mixed_bfloat16` the rows come out in bfloat16, but the table, its slots and `iterations` are
+    read and written in float32: Adam's first step moves each looked-up entry by the learning rate
+    (`lr_t * m / sqrt(v) = lr * sign(g)`), far below bfloat16's spacing at 1, and the other rows keep
+    their bits."""
+    table = 1.0 + np.random.RandomState(3).uniform(0, 1e-3, (ROWS, DIM)).astype("float32")
+    layer = kto.layers.Embedding(
+        ROWS,
+        DIM,
+        optimizer=kto.EmbeddingAdam(1e-5),
+        dtype="mixed_bfloat16",
+        embeddings_initializer=keras.initializers.Constant(table),
+    )
+    ids = keras.Input((K,), dtype="int32")
+    model = keras.Model(ids, keras.ops.cast(layer(ids), "float32"))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    batch = np.asarray(STEP_IDS[0], np.int32)
+    rows = model.predict_on_batch(batch)
+    assert keras.backend.standardize_dtype(layer(batch).dtype) == "bfloat16"
+    model.train_on_batch(batch, np.zeros((BATCH, K, DIM), "float32"))
+    state = layer.table_state()
+    assert all(keras.backend.standardize_dtype(v.dtype) == "float32" for v in state.values())
+    moved = numpy_of(state["embeddings"]) - table
+    looked_up = np.unique(batch)
+    np.testing.assert_allclose(-moved[looked_up], 1e-5, rtol=2e-2)  # every row's gradient is > 0
+    others = np.setdiff1d(np.arange(ROWS), looked_up)
+    np.testing.assert_array_equal(moved[others], 0.0)
+    assert float(numpy_of(state["iterations"])) == 1.0
+    del rows

@@ -57,6 +57,37 @@ def test_recommender_example_trains_the_tables_in_fit():
     )  # only looked-up rows have state
 
 
+def test_half_width_example_keeps_a_third_of_the_bytes_a_row_and_trains():
+    import keras_tpu_optim as kto
+
+    namespace = {"kto": kto}  # imported by the example before it
+    exec(
+        compile(
+            _python_blocks_after("## A recommender: tables trained inside `fit`", README)[1],
+            "README.md",
+            "exec",
+        ),
+        namespace,
+    )
+    users = namespace["users"]
+    ids = keras.Input((), dtype="int32")
+    model = keras.Model(ids, keras.layers.Dense(1)(keras.ops.cast(users(ids), "float32")))
+    model.compile(optimizer="sgd", loss="mse")
+    batch = np.arange(0, 1_000_000, 4096, dtype="int32")
+    model.fit(batch, np.ones((len(batch), 1), "float32"), batch_size=len(batch), verbose=0)
+    state = users.table_state()
+    row_bytes = sum(
+        np.dtype(
+            keras.backend.standardize_dtype(state[name].dtype).replace("bfloat16", "float16")
+        ).itemsize
+        * int(np.prod(state[name].shape[1:]))
+        for name in ("embeddings", "momenta", "velocities")
+    )
+    assert row_bytes == 4 * 32 + 4  # a third of float32's 12 * 32
+    trained = keras.ops.convert_to_numpy(keras.ops.cast(state["velocities"], "float32"))
+    assert (trained[batch] > 0).all() and float(keras.ops.convert_to_numpy(users.iterations)) == 1
+
+
 def test_many_tables_example_trains_each_table():
     namespace = {}
     exec(

@@ -236,7 +236,7 @@ def trained_lookup(
                     targets,
                     written_ids,
                     values,
-                    adam_math.RowUpdate(learning_rate, options),
+                    adam_math.RowUpdate(learning_rate, options, step=ops.cast(step, "int32")),
                     lazy=lazy,
                     accumulate_duplicates=accumulate_duplicates,
                     cache=cache,

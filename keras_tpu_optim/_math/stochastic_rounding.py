@@ -64,6 +64,9 @@ def random_bits(shape, seed, step, variable_index, offset=0, index=None):
 def _round_low_bits(x, bits, dropped: int):
     """`x` rounded stochastically to the float32s whose low `dropped` mantissa bits are 0: noise
     below 2^dropped carries into the kept bits with probability `low bits / 2^dropped`."""
+    if not x.shape or x.shape[-1] is None:
+        # A last axis of static size: Keras's TF `view` reads it (a traced `(rows,)` has none).
+        return ops.squeeze(_round_low_bits(x[..., None], bits[..., None], dropped), -1)
     pattern = ops.view(x, "int32")
     noise = ops.bitwise_and(bits, _int32((1 << dropped) - 1))
     rounded = ops.bitwise_and(ops.add(pattern, noise), _int32(-(1 << dropped)))

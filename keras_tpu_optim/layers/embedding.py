@@ -101,8 +101,9 @@ class Embedding(keras.layers.Embedding):
     The state lives in the layer, saved with it (`model.save`, checkpoints);
     `table_state` returns it by name, in the order saved: `embeddings`,
     `iterations` (the table's step count, advanced once per training step:
-    float32, exact up to 2^24 steps), the float32 slots `momenta` and
-    `velocities` (`(input_dim,)` with `second_moment="rowwise"`), and with
+    float32, exact up to 2^24 steps), the slots `momenta` and `velocities`
+    (`(input_dim,)` with `second_moment="rowwise"`; of the optimizer's
+    `momentum_dtype` and `velocity_dtype`), and with
     `bias_correction="per_row"` a float32 `row_steps`. `iterations` is the
     layer's trainable variable, which the model's optimizer overwrites with the
     value the lookup's backward pass computes for it
@@ -200,17 +201,21 @@ class Embedding(keras.layers.Embedding):
         in_gradients = keras.backend.backend() == "jax"
         state = dict(trainable=in_gradients, overwrite_with_gradient=in_gradients)
         rows, table = (self.input_dim,), (self.input_dim, self.output_dim)
+        # Not autocast: the lookup reads and writes the stored rows (a mixed policy's compute dtype is the
+        # output's).
+        state["autocast"] = False
         self._embeddings = self.add_weight(
             shape=table, initializer=self.embeddings_initializer, name="embeddings", **state
         )
-        zeros = dict(initializer="zeros", dtype="float32")
+        zeros = dict(initializer="zeros", dtype="float32", autocast=False)
         self.iterations = self.add_weight(
             shape=(), name="iterations", trainable=True, overwrite_with_gradient=True, **zeros
         )
-        rowwise = self._table_optimizer.second_moment == "rowwise"
-        self.momenta = self._add_row_state("momenta", table, in_gradients)
+        optimizer = self._table_optimizer
+        rowwise = optimizer.second_moment == "rowwise"
+        self.momenta = self._add_row_state("momenta", table, in_gradients, optimizer.momentum_dtype)
         self.velocities = self._add_row_state(
-            "velocities", rows if rowwise else table, in_gradients
+            "velocities", rows if rowwise else table, in_gradients, optimizer.velocity_dtype
         )
         rate = _private.raw_learning_rate(self._table_optimizer)
         if isinstance(rate, keras.Variable):
@@ -240,8 +245,8 @@ class Embedding(keras.layers.Embedding):
             )
         self.built = True
 
-    def _add_row_state(self, name, shape, in_gradients):
-        """A float32 state variable of the table's rows, zeros, laid out like the table along its first axes
+    def _add_row_state(self, name, shape, in_gradients, dtype="float32"):
+        """A state variable of the table's rows, zeros, laid out like the table along its first axes
         (`keras.distribution`): a LayoutMap naming only the table splits its state too, and a key laying
         the state out apart from its table is refused (`_checks.check_slot_layouts`)."""
         layout = _slots.kept_layout(_private.variable_layout(self._embeddings), range(len(shape)))
@@ -254,8 +259,9 @@ class Embedding(keras.layers.Embedding):
             variable = keras.Variable(
                 keras.initializers.Zeros(),
                 shape=shape,
-                dtype="float32",
+                dtype=dtype,
                 trainable=in_gradients,
+                autocast=False,
                 layout=layout,
                 name=name,
             )
@@ -285,7 +291,11 @@ class Embedding(keras.layers.Embedding):
         """`(learning_rate, options)` of the row update after `step` updates (`adam_math.RowUpdate`)."""
         optimizer = self._table_optimizer
         _check_optimizer(optimizer)  # Hyperparameters may have been set since the layer was built.
-        built = [("second_moment", "rowwise" if len(self.velocities.shape) == 1 else "full")]
+        built = [
+            ("second_moment", "rowwise" if len(self.velocities.shape) == 1 else "full"),
+            ("momentum_dtype", keras.backend.standardize_dtype(self.momenta.dtype)),
+            ("velocity_dtype", keras.backend.standardize_dtype(self.velocities.dtype)),
+        ]
         if self.catch_up_sums is None:  # (caught up, every row has the global count)
             built.append(("bias_correction", "global" if self.row_steps is None else "per_row"))
         for name, built_with in built:
@@ -303,6 +313,17 @@ class Embedding(keras.layers.Embedding):
                 "`sum_inside_sqrt` decide the table's catch-up state, which is built: set them before the layer "
                 f"is built. Received: lazy_adam={optimizer.lazy_adam!r}, beta_1={optimizer.beta_1!r}, "
                 f"beta_2={optimizer.beta_2!r}, sum_inside_sqrt={optimizer.sum_inside_sqrt!r}"
+            )
+        if self.catch_up_sums is not None and (
+            optimizer.stochastic_rounding
+            or optimizer.momentum_dtype != "float32"
+            or optimizer.velocity_dtype != "float32"
+        ):
+            raise ValueError(
+                "keras_tpu_optim.layers.Embedding: `lazy_adam=False` catches rows up in float32 and rounds "
+                "to nearest; it cannot keep bfloat16 slots or stochastic rounding. Received: "
+                f"momentum_dtype={optimizer.momentum_dtype!r}, velocity_dtype={optimizer.velocity_dtype!r}, "
+                f"stochastic_rounding={optimizer.stochastic_rounding!r}"
             )
         learning_rate = optimizer._row_learning_rate(step)
         options = optimizer._row_update_options(self._embeddings)

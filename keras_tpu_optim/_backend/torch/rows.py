@@ -51,14 +51,13 @@ def unique_rows(indices, values, accumulate_duplicates, scratch=None):
     (`accumulate_duplicates`) or the last occurrence's kept; `rows` may be a `scratch` buffer."""
     ids, position = torch.unique(indices, return_inverse=True)
     shape = (ids.shape[0],) + tuple(values.shape[1:])
-    out = scratch and scratch.empty(shape, GRADIENT_SLOT, values.dtype, values.device)
+    # Duplicates summed in float32, the row update's precision, whatever the gradient's dtype (as
+    # `sparse_rows.grouped_rows` sums them).
+    dtype = torch.float32 if accumulate_duplicates else values.dtype
+    out = scratch and scratch.empty(shape, GRADIENT_SLOT, dtype, values.device)
     if accumulate_duplicates:
-        rows = (
-            torch.zeros(shape, dtype=values.dtype, device=values.device)
-            if out is None
-            else out.zero_()
-        )
-        rows.index_add_(0, position, values)
+        rows = torch.zeros(shape, dtype=dtype, device=values.device) if out is None else out.zero_()
+        rows.index_add_(0, position, values.to(dtype))
     else:
         occurrence = torch.arange(indices.shape[0], device=indices.device)
         last = torch.full_like(ids, -1).scatter_reduce(0, position, occurrence, reduce="amax")
