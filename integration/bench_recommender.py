@@ -8,6 +8,8 @@ configuration runs in its own process (`KERAS_BACKEND` from the environment):
   the table trained in the lookup's backward pass (at 1M and 10M rows);
 - `layer_not_lazy`: the same with `lazy_adam=False` (ordinary Adam, skipped steps caught up in
   closed form when a row is read; at 1M and 10M rows);
+- `layer_half`: `layer` with a bfloat16 table, bfloat16 `momenta`, `second_moment="rowwise"` and
+  stochastic rounding (a third of its bytes a row; at 1M and 10M rows);
 - `keras_adam`: `keras.layers.Embedding` trained by Keras's Adam (the model's
   optimizer);
 - `dense_path`: `keras.layers.Embedding` trained by `kto.EmbeddingAdam` as the
@@ -41,8 +43,12 @@ import sys
 import bench_common as bc
 
 DIM, BATCH, IDS_PER_EXAMPLE = 64, 1024, 4
-CONFIGS = ("layer", "layer_not_lazy", "keras_adam", "dense_path")
-TABLE_CONFIGS = ("layer", "layer_not_lazy")
+CONFIGS = ("layer", "layer_not_lazy", "layer_half", "keras_adam", "dense_path")
+TABLE_CONFIGS = ("layer", "layer_not_lazy", "layer_half")
+# `layer_half`: a bfloat16 table, bfloat16 momenta, row-wise v, stochastic rounding.
+HALF_WIDTH = dict(
+    momentum_dtype="bfloat16", second_moment="rowwise", stochastic_rounding=True, seed=0
+)
 
 
 def sizes_of(config: str, quick: bool) -> list:
@@ -68,8 +74,13 @@ def worker(config: str, rows: int, steps: int, warmup: int) -> dict:
     before_model = bc.rss_bytes()
     ids = keras.Input((IDS_PER_EXAMPLE,), dtype="int32")
     if config in TABLE_CONFIGS:
-        optimizer = kto.EmbeddingAdam(0.01, lazy_adam=config == "layer")
-        table = kto.layers.Embedding(rows, DIM, optimizer=optimizer, name="table")
+        half = config == "layer_half"
+        optimizer = kto.EmbeddingAdam(
+            0.01, lazy_adam=config != "layer_not_lazy", **(HALF_WIDTH if half else {})
+        )
+        table = kto.layers.Embedding(
+            rows, DIM, optimizer=optimizer, name="table", dtype="bfloat16" if half else None
+        )
     else:
         table = keras.layers.Embedding(rows, DIM, name="table")
     output = keras.layers.Dense(1)(keras.ops.mean(table(ids), axis=1))
@@ -77,7 +88,7 @@ def worker(config: str, rows: int, steps: int, warmup: int) -> dict:
     optimizer = kto.EmbeddingAdam(0.01) if config == "dense_path" else keras.optimizers.Adam(0.01)
     model.compile(optimizer=optimizer, loss="mse")
     for variable in model.weights:  # JAX initialises asynchronously: wait for every value
-        keras.ops.convert_to_numpy(keras.ops.sum(variable))
+        keras.ops.convert_to_numpy(keras.ops.sum(keras.ops.cast(variable, "float32")))
     creation_peak = (bc._hwm_bytes() or bc.rss_bytes()) - before_model - bytes_of(model.weights)
     rng = np.random.default_rng(0)
     batches = [
@@ -158,6 +169,7 @@ def report(backend: str, records: list) -> dict:
     )
     layer_small, layer_large = by.get(("layer", small)), by.get(("layer", large))
     exact_small, exact_large = by.get(("layer_not_lazy", small)), by.get(("layer_not_lazy", large))
+    half_small = by.get(("layer_half", small))
     adam_small = by.get(("keras_adam", small))
     ratio = lambda a, b: None if a is None or b is None else a["median_ms"] / b["median_ms"]
     targets = [
@@ -165,6 +177,7 @@ def report(backend: str, records: list) -> dict:
         bc.target("layer / Keras's Adam at 1M", ratio(layer_small, adam_small), 0.05),
         bc.target("not lazy / lazy layer at 1M", ratio(exact_small, layer_small), 1.25),
         bc.target("not lazy layer time(10M) / time(1M)", ratio(exact_large, exact_small), 2.0),
+        bc.target("half-width / float32 layer at 1M", ratio(half_small, layer_small), 1.3),
         bc.target(
             "layer steps' peak beyond the state / table bytes at 10M",
             None if layer_large is None else layer_large["peak_beyond_state_x_table"],

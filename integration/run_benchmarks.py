@@ -33,6 +33,7 @@ BENCHES = (
     "embedding_options",
     "fit",
     "recommender",
+    "half_width",
     "criteo",
     "torch_launches",
 )
@@ -406,6 +407,7 @@ def write_markdown(results, status, path, quick):
         ]
 
     lines += _recommender_section(results)
+    lines += _half_width_section(results)
     lines += _criteo_section(results)
     lines += _torch_launches_section(results)
     lines += _tuned_section(results)
@@ -559,7 +561,9 @@ def _recommender_section(results):
         "the table layers' in rounds (their processes alternated, the round of median time shown, every round's "
         "median in `rounds ms`). "
         "`layer`: `kto.layers.Embedding(optimizer=kto.EmbeddingAdam(0.01))`; `layer_not_lazy`: the same with "
-        "`lazy_adam=False` (ordinary Adam, skipped steps caught up in closed form); `keras_adam`: `keras.layers.Embedding` "
+        "`lazy_adam=False` (ordinary Adam, skipped steps caught up in closed form); `layer_half`: `layer` with a "
+        'bfloat16 table, bfloat16 `momenta`, `second_moment="rowwise"` and stochastic rounding; `keras_adam`: '
+        "`keras.layers.Embedding` "
         "trained by Keras's Adam; `dense_path`: `keras.layers.Embedding` trained by `kto.EmbeddingAdam` as the model's "
         "optimizer. Steps' peak: the process's peak RSS over all the steps (the first, compiling, included) beyond "
         "what they keep (the model optimizer's variables), in MB and as a multiple of the table's bytes. Creation "
@@ -597,6 +601,38 @@ def _recommender_section(results):
         ),
         "",
     ]
+    return lines + _targets_lines(found)
+
+
+def _half_width_section(results):
+    """Half-width tables that still learn (`bench_half_width.py`): final losses against float32."""
+    found = [(k, results[("half_width", k)]) for k in BACKENDS if ("half_width", k) in results]
+    if not found:
+        return []
+    lines = [
+        "## Half-width tables: the final loss against float32",
+        "",
+        "`integration/bench_half_width.py`: 2,000 rows of width 4, a row's prediction the sum of its entries, "
+        "its target a fixed normal draw; 1,500 `fit` steps of 256 Zipf ids (exponent 1.1) from a table of normal "
+        "draws; the loss over 100,000 held-out Zipf ids. `float32`: our layer in float32; `bf16_nearest`: "
+        '`dtype="bfloat16"`, float32 slots, rounded to nearest; `bf16_half_state`: `dtype="bfloat16"`, '
+        '`momentum_dtype="bfloat16"`, `second_moment="rowwise"`, `stochastic_rounding=True`.',
+        "",
+    ]
+    rows = [
+        [
+            k,
+            f"{x['learning_rate']:g}",
+            f"`{x['config']}`",
+            str(x["bytes_per_row"]),
+            _f(x["loss"], ".4f"),
+            _f(x["loss_x_float32"], ".3f"),
+        ]
+        for k, r in found
+        for x in r["records"]
+    ]
+    header = ["backend", "lr", "configuration", "bytes a row", "final loss", "/ float32"]
+    lines += [_md_table(header, rows), ""]
     return lines + _targets_lines(found)
 
 

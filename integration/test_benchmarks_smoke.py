@@ -213,6 +213,8 @@ def test_bench_recommender_quick(tmp_path, capsys):
         ("layer", 10_000),
         ("layer_not_lazy", 1000),
         ("layer_not_lazy", 10_000),
+        ("layer_half", 1000),
+        ("layer_half", 10_000),
         ("keras_adam", 1000),
         ("dense_path", 1000),
     }
@@ -220,6 +222,7 @@ def test_bench_recommender_quick(tmp_path, capsys):
     assert {(r["config"], len(r["rounds_ms"])) for r in data["records"]} == {
         ("layer", 2),
         ("layer_not_lazy", 2),
+        ("layer_half", 2),
         ("keras_adam", 1),
         ("dense_path", 1),
     }
@@ -231,6 +234,23 @@ def test_bench_recommender_quick(tmp_path, capsys):
 
     run_benchmarks.write_report(str(tmp_path / "report"), quick=True)
     assert "Tables trained in the lookup" in (tmp_path / "report" / "benchmarks.md").read_text()
+
+
+def test_bench_half_width_quick(tmp_path, capsys):
+    stdout, data = _run("bench_half_width.py", tmp_path, capsys)
+    assert "bf16_half_state" in stdout and "Targets" in stdout
+    assert {(r["config"], r["bytes_per_row"]) for r in data["records"]} == {
+        ("float32", 48),
+        ("bf16_nearest", 40),
+        ("bf16_half_state", 20),
+    }
+    (tmp_path / "report").mkdir()
+    with open(tmp_path / "report" / f"half_width_{BACKEND}.json", "w") as f:
+        json.dump(data, f)
+    import run_benchmarks
+
+    run_benchmarks.write_report(str(tmp_path / "report"), quick=True)
+    assert "Half-width tables" in (tmp_path / "report" / "benchmarks.md").read_text()
 
 
 @pytest.mark.skipif(
