@@ -34,11 +34,12 @@ BENCHES = (
     "fit",
     "recommender",
     "half_width",
+    "memory_wall",
     "criteo",
     "torch_launches",
 )
 # Benchmarks of one backend's own concern: run on that backend alone.
-ONLY_ON = {"torch_launches": "torch"}
+ONLY_ON = {"torch_launches": "torch", "memory_wall": "jax"}
 PASS = {True: "PASS", False: "**MISS**", None: "n/a"}
 # JAX again with the process-wide tunings of `cpu_tuning.py` (the defaults change nothing process-wide):
 # (bench, the script's extra arguments, the JSON's name).
@@ -408,6 +409,7 @@ def write_markdown(results, status, path, quick):
 
     lines += _recommender_section(results)
     lines += _half_width_section(results)
+    lines += _memory_wall_section(results)
     lines += _criteo_section(results)
     lines += _torch_launches_section(results)
     lines += _tuned_section(results)
@@ -632,6 +634,56 @@ def _half_width_section(results):
         for x in r["records"]
     ]
     header = ["backend", "lr", "configuration", "bytes a row", "final loss", "/ float32"]
+    lines += [_md_table(header, rows), ""]
+    return lines + _targets_lines(found)
+
+
+def _memory_wall_section(results):
+    """The largest table a device can train (`bench_memory_wall.py`, JAX)."""
+    found = [("jax", results[("memory_wall", "jax")])] if ("memory_wall", "jax") in results else []
+    if not found:
+        return []
+    budgets = (16, 80)
+    lines = [
+        "## The memory wall: the largest table a device can train",
+        "",
+        "`integration/bench_memory_wall.py` (JAX): ids of shape (1024, 4), a 64-wide table, mean-pooled, a Dense "
+        "head, the model compiled with Keras's Adam. Keras's train step, jitted with the state donated, compiled at "
+        "two vocabulary sizes on one device and split by rows over 8 (`ModelParallel`, a `LayoutMap` naming only the "
+        "table); per device, the state's bytes plus the compiled step's temporaries (`memory_analysis()`), whose "
+        "growth per row gives the bytes a row costs a device and the largest vocabulary that fits a device of 16 and "
+        "80 GiB (`state bytes a row`: the variables alone). XLA's CPU backend evaluates a bfloat16 scatter in float32, "
+        "so on this machine a bfloat16 table's step also holds float32 copies of it (its temporaries; GPUs and TPUs "
+        "scatter bfloat16 natively). `keras_adam`: `keras.layers.Embedding` trained by Keras's Adam; `layer_fp32`: our layer; "
+        '`layer_bf16_nearest`: `dtype="bfloat16"`, float32 slots, round to nearest; `layer_half`: `dtype="bfloat16"`, '
+        '`momentum_dtype="bfloat16"`, `second_moment="rowwise"`, stochastic rounding. Final loss: 400 steps at 65,536 '
+        "rows on Zipf ids, matching a fixed random teacher, on held-out batches.",
+        "",
+    ]
+    header = [
+        "configuration",
+        "state bytes a row",
+        "bytes a row, 1 device",
+        "bytes a row a device, 8",
+    ]
+    header += [
+        f"max rows, {d} device{'s' if d > 1 else ''} of {b} GiB" for d in (1, 8) for b in budgets
+    ]
+    header += ["final loss", "/ layer_fp32"]
+    records = found[0][1]["records"]
+    base = next(r for r in records if r["config"] == "layer_fp32")
+    rows = [
+        [
+            f"`{r['config']}`",
+            _f(r["state_per_row_1"], ".1f"),
+            _f(r["bytes_per_row_1"], ".1f"),
+            _f(r["bytes_per_row_8"], ".1f"),
+            *(f"{r[f'max_rows_{d}_{b}gib'] / 1e6:,.0f}M" for d in (1, 8) for b in budgets),
+            _f(r["final_loss"], ".4f"),
+            _f(r["final_loss"] / base["final_loss"], ".3f"),
+        ]
+        for r in records
+    ]
     lines += [_md_table(header, rows), ""]
     return lines + _targets_lines(found)
 
