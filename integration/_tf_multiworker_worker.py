@@ -43,6 +43,8 @@ OPTIMIZERS = {
     "embedding_adam": lambda: kto.EmbeddingAdam(0.01),
     "embedding_adam_ema": lambda: kto.EmbeddingAdam(0.01, use_ema=True),
     "adafactor_beta_1_ema": lambda: kto.Adafactor(learning_rate=0.01, beta_1=0.9, use_ema=True),
+    # The table trained in its lookup by the layer's own EmbeddingAdam; Keras's Adam for the rest.
+    "layer": lambda: keras.optimizers.Adam(0.01),
 }
 
 
@@ -53,12 +55,16 @@ def data(steps=TOTAL_STEPS, batch=BATCH, rows=64, seed=0):
     return ids, targets
 
 
-def make_model(rows=64, dim=16):
+def make_model(config, rows=64, dim=16):
     keras.utils.set_random_seed(0)
+    if config == "layer":
+        table = kto.layers.Embedding(rows, dim, optimizer=kto.EmbeddingAdam(0.01), name="embedding")
+    else:
+        table = keras.layers.Embedding(rows, dim, name="embedding")
     return keras.Sequential(
         [
             keras.Input((4,), dtype="int32"),
-            keras.layers.Embedding(rows, dim, name="embedding"),
+            table,
             keras.layers.Flatten(),
             keras.layers.Dense(32, name="dense"),
             keras.layers.Dense(1, name="dense_out"),
@@ -80,10 +86,7 @@ def spy_on_gradients(optimizer, seen):
 
 
 def dump(name, model, extra=None):
-    arrays = {
-        f"w{i}": keras.ops.convert_to_numpy(v.value)
-        for i, v in enumerate(model.trainable_variables)
-    }
+    arrays = {f"w{i}": keras.ops.convert_to_numpy(v.value) for i, v in enumerate(model.weights)}
     arrays.update(
         {
             f"o{i}": keras.ops.convert_to_numpy(v.value)
@@ -152,7 +155,7 @@ def run(spec):
     seen = {}
     if spec["op"] == "train":
         with strategy.scope():
-            model = make_model()
+            model = make_model(spec["optimizer"])
             model.compile(optimizer=OPTIMIZERS[spec["optimizer"]](), loss="mse")
         spy_on_gradients(model.optimizer, seen)
         step = train_function(model)  # traced once, for both parts

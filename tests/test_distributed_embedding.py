@@ -676,3 +676,27 @@ def test_torch_compile_steps_equal_eager_steps(monkeypatch):
             tables[1][name], tables[0][name], rtol=1e-6, atol=1e-7, err_msg=name
         )
         assert not np.array_equal(tables[0][name], initial_table(name))
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="tf.distribute is TensorFlow's")
+def test_tf_mirrored_strategy_trains_every_table_as_one_device():
+    """Under MirroredStrategy (2 logical CPU devices) the grouped tables, shared and pooled features
+    included, train as on one device, and the replicas' copies stay alike."""
+    import tensorflow as tf
+    from _mirrored import mirrored_strategy
+
+    def train(strategy):
+        with strategy.scope():
+            model, layer = make_model({})
+        for step in range(3):
+            ids, weights = step_inputs(step)
+            model.train_on_batch([ids, weights], np.ones((BATCH, width()), "float32"))
+        return layer
+
+    mirrored, single = train(mirrored_strategy()), train(tf.distribute.get_strategy())
+    for group, want_group in zip(mirrored._grouping.groups, single._grouping.groups):
+        for name, variable in group.table_state().items():
+            copies = [numpy_of(v) for v in variable.value.values]
+            np.testing.assert_array_equal(copies[0], copies[1], err_msg=name)
+            want = numpy_of(want_group.table_state()[name])
+            np.testing.assert_allclose(copies[0], want, rtol=1e-6, atol=1e-7, err_msg=name)

@@ -566,12 +566,55 @@ def test_two_lookups_in_one_step_raise():
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.distribute is TensorFlow's")
-def test_tf_distribute_strategy_raises():
+@pytest.mark.parametrize("mode", ["default", "run_eagerly"])
+@pytest.mark.parametrize(
+    "options", [{}, {"second_moment": "rowwise", "bias_correction": "per_row"}]
+)
+def test_tf_mirrored_strategy_trains_the_table_as_one_device(options, mode):
+    """Under MirroredStrategy (2 logical CPU devices) each replica looks up half the batch; every replica's
+    rows and gradients reach one update, the mirrored copies stay alike, and the table, slots and count
+    are one device's (its float32 rounding). (Keras's own models do not run under this strategy with
+    `jit_compile=True` here: XLA reaches the other replica's variables.)"""
+    import tensorflow as tf
     from _mirrored import mirrored_strategy
 
-    with mirrored_strategy().scope():
+    def train(strategy):
+        with strategy.scope():
+            model, layer = table_model(options)
+            if mode != "default":
+                model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **{mode: True})
+        for step, ids in enumerate(STEP_IDS):
+            model.train_on_batch(np.asarray(ids, np.int32), targets(step, (BATCH, K, DIM)))
+        return layer
+
+    mirrored, single = train(mirrored_strategy()), train(tf.distribute.get_strategy())
+    for name, variable in mirrored.table_state().items():
+        copies = [numpy_of(v) for v in variable.value.values]
+        np.testing.assert_array_equal(copies[0], copies[1], err_msg=name)
+        np.testing.assert_allclose(
+            copies[0], numpy_of(single.table_state()[name]), rtol=1e-6, atol=1e-7, err_msg=name
+        )
+    assert float(numpy_of(mirrored.iterations)) == len(STEP_IDS)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.distribute is TensorFlow's")
+def test_tf_strategies_the_layer_cannot_serve_raise_naming_them():
+    import tensorflow as tf
+    from _mirrored import mirrored_strategy
+
+    mirrored_strategy()  # two logical CPU devices, or a skip
+    central = tf.distribute.experimental.CentralStorageStrategy(["/cpu:0", "/cpu:1"])
+    with central.scope():
         model, _ = table_model({})
-    with pytest.raises(ValueError, match="tf.distribute strategy"):
+    with pytest.raises(ValueError, match="not under CentralStorageStrategy"):
+        model.train_on_batch(np.asarray(STEP_IDS[0], np.int32), targets(0, (BATCH, K, DIM)))
+    with mirrored_strategy().scope():
+        model, _ = table_model({"lazy_adam": False})
+    with pytest.raises(ValueError, match="lazy_adam=False.*MirroredStrategy"):
+        model.train_on_batch(np.asarray(STEP_IDS[0], np.int32), targets(0, (BATCH, K, DIM)))
+    with mirrored_strategy().scope():
+        model, _ = table_model({"skip_nonfinite_updates": True})
+    with pytest.raises(ValueError, match="skip_nonfinite_updates=True.*MirroredStrategy"):
         model.train_on_batch(np.asarray(STEP_IDS[0], np.int32), targets(0, (BATCH, K, DIM)))
 
 

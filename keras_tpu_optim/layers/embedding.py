@@ -139,7 +139,9 @@ class Embedding(keras.layers.Embedding):
 
     Requirements, each checked where it can be: the layer is called once per
     training step (to look up several id tensors, concatenate them; checked
-    but in eager TensorFlow and under `torch.compile`); no `tf.distribute` strategy; the
+    but in eager TensorFlow and under `torch.compile`); of the `tf.distribute` strategies,
+    `MirroredStrategy` and `MultiWorkerMirroredStrategy`, with `lazy_adam=True` and without
+    `skip_nonfinite_updates` (every replica's rows reach one update); the
     table is read only through the layer; the optimizer has no `use_ema`,
     `gradient_accumulation_steps`, `clipnorm`, `global_clipnorm`,
     `loss_scale_factor` or `slot_variable_creation_fn`; the table has no
@@ -203,11 +205,14 @@ class Embedding(keras.layers.Embedding):
         rows, table = (self.input_dim,), (self.input_dim, self.output_dim)
         # Not autocast: the lookup reads and writes the stored rows (a mixed policy's compute dtype is the
         # output's).
-        state["autocast"] = False
+        # Every replica of a `tf.distribute` strategy writes the same values: the first's reach every copy.
+        state.update(autocast=False, aggregation="only_first_replica")
         self._embeddings = self.add_weight(
             shape=table, initializer=self.embeddings_initializer, name="embeddings", **state
         )
-        zeros = dict(initializer="zeros", dtype="float32", autocast=False)
+        zeros = dict(
+            initializer="zeros", dtype="float32", autocast=False, aggregation="only_first_replica"
+        )
         self.iterations = self.add_weight(
             shape=(), name="iterations", trainable=True, overwrite_with_gradient=True, **zeros
         )
@@ -262,6 +267,7 @@ class Embedding(keras.layers.Embedding):
                 dtype=dtype,
                 trainable=in_gradients,
                 autocast=False,
+                aggregation="only_first_replica",
                 layout=layout,
                 name=name,
             )

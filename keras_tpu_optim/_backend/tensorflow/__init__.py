@@ -112,10 +112,10 @@ class _Lookup(neutral.LookupEvaluation):
     """The backward pass writes the table, its slots and the window in place. Outside XLA the catch-up and its
     step are each one XLA computation (op by op, every catch-up term is a kernel), while TF's own kernels
     group the ids, gather the rows and scatter them (XLA's CPU sort, gathers and scatters are slower).
-    Refused under a `tf.distribute` strategy: each
-    replica would update the table."""
+    Under a mirrored strategy every replica steps the table with every replica's rows (`_replica_context`)."""
 
     def hook(self, forward, backward, ids, step, learning_rate, state, window, cache, name):
+        replicas = _replica_context(name, window)
         window_before = None if window is None else tf.convert_to_tensor(window.value)
         found, residuals = forward(
             ids, step, learning_rate, [native_variable(t) for t in state], window_before
@@ -124,8 +124,14 @@ class _Lookup(neutral.LookupEvaluation):
         @tf.custom_gradient
         def hooked(found, step):
             def gradient(row_gradients):
+                every_id = ids
+                if replicas is not None:
+                    # Every replica steps the table with every replica's rows, alike; the writes of
+                    # the first reach every copy (the state's aggregation, `only_first_replica`).
+                    every_id = replicas.all_gather(ids, axis=0)
+                    row_gradients = replicas.all_gather(row_gradients, axis=0)
                 _, new_window, next_step = backward(
-                    residuals, row_gradients, ids, step, learning_rate, state, window_before
+                    residuals, row_gradients, every_id, step, learning_rate, state, window_before
                 )
                 if window is not None:
                     window.assign(new_window)
@@ -136,14 +142,17 @@ class _Lookup(neutral.LookupEvaluation):
         return hooked(found, step)
 
     def read_step(self, iterations):
-        if tf.distribute.has_strategy():
-            raise ValueError(
-                "keras_tpu_optim.layers.Embedding with `optimizer` does not run under a tf.distribute strategy "
-                f"({type(tf.distribute.get_strategy()).__name__}): each replica would update the table with its "
-                "own gradient. Use the layer without `optimizer` (EmbeddingAdam as the model's optimizer), or "
-                "JAX's keras.distribution."
-            )
         return tf.convert_to_tensor(iterations.value)
+
+    def unless_nonfinite(self, finite, write, ids, targets, every_row):
+        if finite is not None and _replica_context("", None) is not None:
+            raise ValueError(
+                "keras_tpu_optim.layers.Embedding with `optimizer`: `skip_nonfinite_updates=True` does not run "
+                f"under a tf.distribute strategy ({type(tf.distribute.get_strategy()).__name__}): its skip is a "
+                "condition around the replicas' writes, which TF's strategies do not allow. Unset it, or train on "
+                "one device."
+            )
+        return super().unless_nonfinite(finite, write, ids, targets, every_row)
 
     def grouped(self, every, table, cache):
         if compiling_helps():
@@ -172,6 +181,37 @@ class _Lookup(neutral.LookupEvaluation):
         return tf.IndexedSlices(values, ids, tf.shape(table.value, out_type=ids.dtype))
 
 
+# The strategies whose replicas each hold a whole copy of every variable (`only_first_replica` writes).
+_MIRRORED = (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)
+
+
+def _replica_context(name, window):
+    """The replica context of a `tf.distribute` strategy with several replicas, or None (none, or one
+    replica); a strategy the layers cannot serve raises, naming it."""
+    if not tf.distribute.has_strategy():
+        return None
+    strategy = tf.distribute.get_strategy()
+    if strategy.num_replicas_in_sync == 1:
+        return None
+    if not isinstance(strategy, _MIRRORED):
+        raise ValueError(
+            f"keras_tpu_optim.layers.Embedding '{name}' with `optimizer` runs under MirroredStrategy and "
+            f"MultiWorkerMirroredStrategy, not under {type(strategy).__name__}: its replicas do not each hold "
+            "the table. Use the layer without `optimizer` (EmbeddingAdam as the model's optimizer), or JAX's "
+            "keras.distribution."
+        )
+    replicas = tf.distribute.get_replica_context()
+    if replicas is None:
+        return None
+    if window is not None:
+        raise ValueError(
+            f"keras_tpu_optim.layers.Embedding '{name}': `lazy_adam=False` does not run under "
+            f"{type(strategy).__name__} with {strategy.num_replicas_in_sync} replicas (each replica catches its "
+            "own rows up). Use `lazy_adam=True` there."
+        )
+    return replicas
+
+
 trained_lookup = functools.partial(neutral.trained_lookup, evaluation=_Lookup())
 
 
@@ -181,5 +221,10 @@ def host_value(x):
 
 
 def lookup_trace(iterations):
-    """The graph function being traced, or None eagerly."""
-    return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    """The graph function being traced (under a strategy: the replica's context, one per replica and
+    trace), or None eagerly."""
+    if tf.executing_eagerly():
+        return None
+    if tf.distribute.has_strategy() and tf.distribute.get_replica_context() is not None:
+        return tf.distribute.get_replica_context()
+    return tf.compat.v1.get_default_graph()
