@@ -53,6 +53,8 @@ OPTIMIZERS = {
     ),
     # "adafactor" (and named so: checkpoints hold optimizer variables by path) with a schedule
     # of the same value, to resume a checkpoint with a float learning rate it has no variable for.
+    # The table trained in its lookup by the layer's own EmbeddingAdam; Keras's Adam for the rest.
+    "layer": lambda: keras.optimizers.Adam(0.01),
     "adafactor_constant_schedule": lambda: kto.Adafactor(
         learning_rate=keras.optimizers.schedules.PiecewiseConstantDecay([1000], [0.01, 0.01]),
         name="adafactor",
@@ -67,12 +69,16 @@ def data():
     return ids, targets
 
 
-def make_model():
+def make_model(config=None):
     keras.utils.set_random_seed(0)
+    if config == "layer":
+        table = kto.layers.Embedding(64, 16, optimizer=kto.EmbeddingAdam(0.01), name="embedding")
+    else:
+        table = keras.layers.Embedding(64, 16, name="embedding")
     return keras.Sequential(
         [
             keras.Input((4,), dtype="int32"),
-            keras.layers.Embedding(64, 16, name="embedding"),
+            table,
             keras.layers.Flatten(),
             keras.layers.Dense(32, name="dense"),
             keras.layers.Dense(1, name="dense_out"),
@@ -112,14 +118,24 @@ def dump(name, model):
         value = v.value
         shards = {str(s.index): s.data.size for s in value.addressable_shards}
         held[v.path] = [int(sum(shards.values())), int(value.size), str(value.sharding.spec)]
+    layer = model.get_layer("embedding")
+    table_state = layer.table_state().values() if hasattr(layer, "table_state") else []
+    # The distinct parts each process holds (its devices' copies of one part counted once).
+    local = sum(
+        sum({str(s.index): s.data.nbytes for s in v.value.addressable_shards}.values())
+        for v in table_state
+    )
+    share = local / max(1, sum(v.value.nbytes for v in table_state))
     with open(os.path.join(job["out"], f"{name}.p{process_id}.json"), "w") as f:
-        json.dump({"paths": [v.path for v in optimizer.variables], "held": held}, f)
+        json.dump(
+            {"paths": [v.path for v in optimizer.variables], "held": held, "table_share": share}, f
+        )
 
 
 def run(spec):
     ids, targets = data()
     if spec["op"] == "train":
-        model = make_model()
+        model = make_model(spec["optimizer"])
         model.compile(optimizer=OPTIMIZERS[spec["optimizer"]](), loss="mse")
         callbacks = []
         if spec.get("save_at"):
@@ -135,7 +151,7 @@ def run(spec):
     elif spec["op"] == "resume":
         # The model and optimizer as they were built for training, under the current
         # distribution, then the checkpoint read onto their layout.
-        model = make_model()
+        model = make_model(spec["optimizer"])
         model.compile(optimizer=OPTIMIZERS[spec["optimizer"]](), loss="mse")
         kto.load_checkpoint(model, spec["checkpoint"])
         counter = model.optimizer.variables[0]  # the micro-step counter (also with accumulation)
@@ -148,7 +164,7 @@ def run(spec):
         )
         dump(spec["name"], model)
     elif spec["op"] == "expect_error":
-        model = make_model()
+        model = make_model(spec["optimizer"])
         model.compile(optimizer=OPTIMIZERS[spec["optimizer"]](), loss="mse")
         model.optimizer.build(model.trainable_variables)
         before = [fetch(v.value) for v in model.variables + model.optimizer.variables]
@@ -164,7 +180,7 @@ def run(spec):
             json.dump({"error": message, "unchanged": unchanged}, f)
     elif spec["op"] == "save_keras":
         # model.save needs every value on one process; what each part says.
-        model = make_model()
+        model = make_model(spec["optimizer"])
         model.compile(optimizer=OPTIMIZERS[spec["optimizer"]](), loss="mse")
         model.fit(
             ids[:BATCH], targets[:BATCH], batch_size=BATCH, epochs=1, verbose=0, shuffle=False

@@ -32,6 +32,8 @@ CONFIGS = [
     "embedding_adam_ema_accumulation",
     "adafactor",
     "adafactor_beta_1_ema_accumulation",
+    # `kto.layers.Embedding` trained in its lookup, the LayoutMap naming only its table.
+    "layer",
 ]
 SAVE_AT, TOTAL = 3, 5
 JOB_TIMEOUT = 400
@@ -158,6 +160,12 @@ def test_two_processes_fit_checkpoint_and_resume(tmp_path):
             for got, want in zip(got_weights + got_state, weights + state):
                 np.testing.assert_allclose(got, want, rtol=0, atol=2e-7, err_msg=resumed)
 
+        if c == "layer":
+            # Each process holds half the table and the state that trains it.
+            for process_id in range(2):
+                share = _held(out, f"{c}_2x4", process_id)["table_share"]
+                assert share <= 0.55, (process_id, share)
+            continue
         # Each process holds half of the table's and the kernel's optimizer state.
         for process_id in range(2):
             held = _held(out, f"{c}_2x4", process_id)["held"]
