@@ -71,7 +71,9 @@ def embedding_adam_step(
 ):
     if not lazy:
         neutral.dense_row_update(update_rows, densify(gradient), variable, slots)
-    elif not _private.in_stateless_scope() and rows.compiled_update_applies(gradient):
+    elif not _private.in_stateless_scope() and rows.compiled_update_applies(
+        gradient, variable, platform_of(native_variable(variable))
+    ):
         rows.compiled_lazy_row_update(
             cache,
             update_rows,

@@ -61,9 +61,16 @@ def _scatter(target, ids, rows):
     return target
 
 
-def compiled_update_applies(gradient) -> bool:
-    """Whether `compiled_lazy_row_update` takes this gradient: an IndexedSlices outside XLA and tf.distribute."""
-    return isinstance(gradient, tf.IndexedSlices) and compiling_helps()
+def compiled_update_applies(gradient, variable, platform) -> bool:
+    """Whether `compiled_lazy_row_update` takes this gradient: an IndexedSlices outside XLA and tf.distribute,
+    but for a bfloat16/float16 table on CPU, whose scatter XLA's CPU backend evaluates in float32 through
+    a copy of the whole table (TF's own kernels scatter its rows in place)."""
+    half = tf.as_dtype(native_variable(variable).dtype) in (tf.bfloat16, tf.float16)
+    return (
+        isinstance(gradient, tf.IndexedSlices)
+        and compiling_helps()
+        and not (half and platform == "cpu")
+    )
 
 
 def compiled_lazy_row_update(
