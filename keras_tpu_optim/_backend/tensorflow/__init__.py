@@ -71,9 +71,7 @@ def embedding_adam_step(
 ):
     if not lazy:
         neutral.dense_row_update(update_rows, densify(gradient), variable, slots)
-    elif not _private.in_stateless_scope() and rows.compiled_update_applies(
-        gradient, variable, platform_of(native_variable(variable))
-    ):
+    elif not _private.in_stateless_scope() and rows.compiled_update_applies(gradient):
         rows.compiled_lazy_row_update(
             cache,
             update_rows,
@@ -81,6 +79,7 @@ def embedding_adam_step(
             variable,
             slots,
             accumulate_duplicates=accumulate_duplicates,
+            by_kernels=rows.scatters_by_kernels(variable, platform_of(native_variable(variable))),
         )
     else:
         rows.lazy_row_update(

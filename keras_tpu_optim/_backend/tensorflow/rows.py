@@ -61,20 +61,21 @@ def _scatter(target, ids, rows):
     return target
 
 
-def compiled_update_applies(gradient, variable, platform) -> bool:
-    """Whether `compiled_lazy_row_update` takes this gradient: an IndexedSlices outside XLA and tf.distribute,
-    but for a bfloat16/float16 table on CPU, whose scatter XLA's CPU backend evaluates in float32 through
-    a copy of the whole table (TF's own kernels scatter its rows in place)."""
+def compiled_update_applies(gradient) -> bool:
+    """Whether `compiled_lazy_row_update` takes this gradient: an IndexedSlices outside XLA and tf.distribute."""
+    return isinstance(gradient, tf.IndexedSlices) and compiling_helps()
+
+
+def scatters_by_kernels(variable, platform) -> bool:
+    """Whether `compiled_lazy_row_update` leaves the gathers and scatters to TF's kernels: a
+    bfloat16/float16 table on CPU, whose scatter XLA's CPU backend evaluates in float32 through a copy
+    of the whole table (TF's kernels scatter its rows in place)."""
     half = tf.as_dtype(native_variable(variable).dtype) in (tf.bfloat16, tf.float16)
-    return (
-        isinstance(gradient, tf.IndexedSlices)
-        and compiling_helps()
-        and not (half and platform == "cpu")
-    )
+    return half and platform == "cpu"
 
 
 def compiled_lazy_row_update(
-    cache, update_rows, gradient, variable, slots, *, accumulate_duplicates
+    cache, update_rows, gradient, variable, slots, *, accumulate_duplicates, by_kernels=False
 ):
     """`sparse_row_update` of an IndexedSlices gradient outside XLA, as one XLA computation.
 
@@ -84,14 +85,11 @@ def compiled_lazy_row_update(
     lengths (`sparse_rows.padded`), so that a compilation serves every length
     in it. The options' numbers are arguments (`adam_math.split_options`), so
     one compilation serves every value of them. Ids out of range are removed
-    first (`in_table`).
+    first (`in_table`). With `by_kernels` (`scatters_by_kernels`) TF's kernels
+    group, gather and scatter the rows and the computation computes the new
+    rows alone.
     """
     structure, option_values = adam_math.split_options(update_rows.options)
-    update = compiled_function(
-        cache,
-        ("lazy_row_update", structure, accumulate_duplicates),
-        lambda: _compilable_update(structure, accumulate_duplicates),
-    )
     targets = [native_variable(variable)] + [native_variable(s) for s in slots]
     indices, values = in_table(*sparse_entries(gradient), tf.shape(targets[0])[0])
     if tf.executing_eagerly():
@@ -99,16 +97,25 @@ def compiled_lazy_row_update(
     # The ids numbered by TF's hash, outside XLA: a fraction of the cost of XLA's sort.
     _, group = tf.unique(indices)
     ema_step = update_rows.ema_step
-    update(
-        indices,
-        group,
-        values,
+    arguments = (
         tf.convert_to_tensor(update_rows.learning_rate),
-        targets,
         None if ema_step is None else tf.convert_to_tensor(ema_step),
         {name: tf.constant(value, tf.float32) for name, value in option_values.items()},
         _rounding_key(update_rows),
     )
+    if by_kernels:
+        compute = compiled_function(
+            cache, ("row_values", structure), lambda: _compilable_rows(structure)
+        )
+        update_rows = lambda grad_rows, *rows, ids: compute(grad_rows, rows, ids, *arguments)
+        sparse_row_update(update_rows, indices, values, targets, accumulate_duplicates, group)
+        return
+    update = compiled_function(
+        cache,
+        ("lazy_row_update", structure, accumulate_duplicates),
+        lambda: _compilable_update(structure, accumulate_duplicates),
+    )
+    update(indices, group, values, arguments[0], targets, *arguments[1:])
 
 
 def _rounding_key(update_rows):
@@ -126,3 +133,12 @@ def _compilable_update(structure, accumulate_duplicates):
         sparse_row_update(update_rows, indices, values, targets, accumulate_duplicates, group)
 
     return row_step
+
+
+def _compilable_rows(structure):
+    def row_values(grad_rows, rows, ids, learning_rate, ema_step, option_values, key):
+        options = adam_math.joined_options(structure, option_values)
+        update_rows = adam_math.RowUpdate(learning_rate, options, ema_step, *key)
+        return update_rows(grad_rows, *rows, ids=ids)
+
+    return row_values
