@@ -482,16 +482,19 @@ class EmbeddingAdam(OptimizerBase):
         learning_rate = self._row_learning_rate(self.iterations, learning_rate)
         # Keras updates the averages once per `apply` (micro-step): this step's EMA update is numbered so.
         ema_step = ops.cast(_private.raw_iterations(self), "int32") if self.use_ema else None
+        # The key of stochastic rounding, read only where it rounds.
+        rounding = {}
+        if self.stochastic_rounding:
+            rounding = dict(
+                step=ops.cast(self.iterations, "int32"),
+                variable_index=_private.variable_index(self, variable),
+            )
         backend.embedding_adam_step(
             gradient,
             variable,
             self._row_slots(variable),
             adam_math.RowUpdate(
-                learning_rate,
-                self._row_update_options(variable),
-                ema_step,
-                step=ops.cast(self.iterations, "int32"),
-                variable_index=_private.variable_index(self, variable),
+                learning_rate, self._row_update_options(variable), ema_step, **rounding
             ),
             lazy=self.lazy_adam,
             accumulate_duplicates=self.use_gradient_accumulation,

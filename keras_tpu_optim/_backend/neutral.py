@@ -215,6 +215,8 @@ def trained_lookup(
     """
     ev = evaluation
     step = ev.read_step(iterations)
+    # The key of stochastic rounding (the table's index is 0), read only where it rounds.
+    rounding_step = ops.cast(step, "int32") if options.stochastic_rounding else None
 
     def finite_of(row_gradients):
         return ops.all(ops.isfinite(row_gradients)) if skip_nonfinite else None
@@ -236,7 +238,7 @@ def trained_lookup(
                     targets,
                     written_ids,
                     values,
-                    adam_math.RowUpdate(learning_rate, options, step=ops.cast(step, "int32")),
+                    adam_math.RowUpdate(learning_rate, options, step=rounding_step),
                     lazy=lazy,
                     accumulate_duplicates=accumulate_duplicates,
                     cache=cache,

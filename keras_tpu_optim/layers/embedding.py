@@ -204,8 +204,8 @@ class Embedding(keras.layers.Embedding):
         state = dict(trainable=in_gradients, overwrite_with_gradient=in_gradients)
         rows, table = (self.input_dim,), (self.input_dim, self.output_dim)
         # Not autocast: the lookup reads and writes the stored rows (a mixed policy's compute dtype is the
-        # output's).
-        # Every replica of a `tf.distribute` strategy writes the same values: the first's reach every copy.
+        # output's). Every replica of a `tf.distribute` strategy writes the same values: the first's reach
+        # every copy.
         state.update(autocast=False, aggregation="only_first_replica")
         self._embeddings = self.add_weight(
             shape=table, initializer=self.embeddings_initializer, name="embeddings", **state

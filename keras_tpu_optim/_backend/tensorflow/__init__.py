@@ -146,7 +146,7 @@ class _Lookup(neutral.LookupEvaluation):
         return tf.convert_to_tensor(iterations.value)
 
     def unless_nonfinite(self, finite, write, ids, targets, every_row):
-        if finite is not None and _replica_context("", None) is not None:
+        if finite is not None and tf.distribute.get_strategy().num_replicas_in_sync > 1:
             raise ValueError(
                 "keras_tpu_optim.layers.Embedding with `optimizer`: `skip_nonfinite_updates=True` does not run "
                 f"under a tf.distribute strategy ({type(tf.distribute.get_strategy()).__name__}): its skip is a "
