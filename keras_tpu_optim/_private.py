@@ -17,6 +17,16 @@ def in_stateless_scope() -> bool:
     return stateless_scope.in_stateless_scope()
 
 
+def calling_model():
+    """The outermost layer of the call running now (the model whose `train_step` called it, where
+    Keras's or a custom step calls `self(x)`), from Keras's call context; None outside a call."""
+    # Keras keeps one call context per thread, entered by the outermost layer called.
+    from keras.src.backend.common import global_state
+
+    context = global_state.get_global_attribute("current_call_ctx")
+    return None if context is None else context.entry_layer
+
+
 def base_optimizer_keyword_args() -> str:
     """The `Args:` text Keras's own optimizers append for the base keywords."""
     from keras.src.optimizers.optimizer import base_optimizer_keyword_args as text

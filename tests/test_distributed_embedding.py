@@ -391,6 +391,30 @@ def test_skip_nonfinite_updates_is_each_tables_optimizers():
             np.testing.assert_array_equal(numpy_of(variable), want, err_msg=variable.path)
 
 
+def test_loss_scale_optimizer_skips_an_overflowing_step_in_every_group():
+    """Under a `LossScaleOptimizer`, a step whose scaled loss overflows (coefficients near float32's maximum)
+    leaves every group's tables, slots and step count bit for bit as they were and halves the scale; the
+    next step trains as a run without the bad step (loss scales are powers of 2: unscaling is exact)."""
+    runs = []
+    for bad_step in (True, False):
+        model, layer = make_model({})
+        model.compile(
+            optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)), loss=dot_loss
+        )
+        coefficients = np.random.RandomState(50).normal(size=(BATCH, width())).astype("float32")
+        model.train_on_batch(list(step_inputs(0)), coefficients)
+        if bad_step:
+            before = [numpy_of(v) for v in layer.weights]
+            model.train_on_batch(list(step_inputs(1)), np.full_like(coefficients, 3e38))
+            for want, variable in zip(before, layer.weights):
+                np.testing.assert_array_equal(numpy_of(variable), want, err_msg=variable.path)
+            assert float(numpy_of(model.optimizer.dynamic_scale)) == 2.0**14
+        model.train_on_batch(list(step_inputs(2)), coefficients)
+        runs.append([numpy_of(v) for v in layer.weights])
+    for with_bad, without in zip(*runs):
+        np.testing.assert_array_equal(with_bad, without)
+
+
 @pytest.mark.backend_neutral
 def test_configs_round_trip_through_their_own_config():
     adam = kto.EmbeddingAdam(0.3, clipvalue=1.0)

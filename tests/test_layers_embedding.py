@@ -326,7 +326,6 @@ def test_skip_nonfinite_updates_leaves_the_table_as_it_was(options, compiled):
             {"optimizer": kto.EmbeddingAdam(), "embeddings_constraint": "non_neg"},
             "embeddings_constraint",
         ),
-        ({"optimizer": kto.EmbeddingAdam(), "dtype": "mixed_float16"}, "mixed_float16"),
     ],
 )
 def test_unsupported_options_raise_naming_them(arguments, named):
@@ -566,14 +565,14 @@ def test_two_lookups_in_one_step_raise():
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.distribute is TensorFlow's")
-@pytest.mark.parametrize("mode", ["default", "run_eagerly"])
+@pytest.mark.parametrize("mode", ["default", "run_eagerly", "loss_scale_factor"])
 @pytest.mark.parametrize(
     "options", [{}, {"second_moment": "rowwise", "bias_correction": "per_row"}]
 )
 def test_tf_mirrored_strategy_trains_the_table_as_one_device(options, mode):
     """Under MirroredStrategy (2 logical CPU devices) each replica looks up half the batch; every replica's
     rows and gradients reach one update, the mirrored copies stay alike, and the table, slots and count
-    are one device's (its float32 rounding). (Keras's own models do not run under this strategy with
+    are one device's (its float32 rounding), also with a model's optimizer that scales the loss. (Keras's own models do not run under this strategy with
     `jit_compile=True` here: XLA reaches the other replica's variables.)"""
     import tensorflow as tf
     from _mirrored import mirrored_strategy
@@ -581,7 +580,11 @@ def test_tf_mirrored_strategy_trains_the_table_as_one_device(options, mode):
     def train(strategy):
         with strategy.scope():
             model, layer = table_model(options)
-            if mode != "default":
+            if mode == "loss_scale_factor":
+                model.compile(
+                    optimizer=keras.optimizers.SGD(0.1, loss_scale_factor=64.0), loss="mse"
+                )
+            elif mode != "default":
                 model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **{mode: True})
         for step, ids in enumerate(STEP_IDS):
             model.train_on_batch(np.asarray(ids, np.int32), targets(step, (BATCH, K, DIM)))
@@ -616,40 +619,98 @@ def test_tf_strategies_the_layer_cannot_serve_raise_naming_them():
         model, _ = table_model({"skip_nonfinite_updates": True})
     with pytest.raises(ValueError, match="skip_nonfinite_updates=True.*MirroredStrategy"):
         model.train_on_batch(np.asarray(STEP_IDS[0], np.int32), targets(0, (BATCH, K, DIM)))
+    with mirrored_strategy().scope():
+        model, _ = table_model({})
+        model.compile(
+            optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)), loss="mse"
+        )
+    with pytest.raises(ValueError, match="LossScaleOptimizer.*MirroredStrategy"):
+        model.train_on_batch(np.asarray(STEP_IDS[0], np.int32), targets(0, (BATCH, K, DIM)))
 
 
-@pytest.mark.parametrize(
-    "wrap, named",
-    [
-        (lambda adam: keras.optimizers.LossScaleOptimizer(adam), "LossScaleOptimizer"),
-        (
-            lambda adam: keras.optimizers.Adam(0.01, gradient_accumulation_steps=2),
-            "gradient_accumulation_steps=2",
-        ),
-        (
-            lambda adam: keras.optimizers.Adam(0.01, loss_scale_factor=128.0),
-            "loss_scale_factor=128.0",
-        ),
-        (lambda adam: kto.Adafactor(skip_nonfinite_updates=True), "skip_nonfinite_updates=True"),
-    ],
-    ids=["loss_scale", "accumulation", "loss_scale_factor", "skip_nonfinite"],
-)
-def test_model_optimizer_that_scales_or_accumulates_raises_naming_it(wrap, named):
-    """The looked-up rows' gradient would arrive scaled by the loss scale, the table would be updated at every
-    micro-step of an accumulated step, or a skipped step could not undo its update: the first training call
-    raises, before anything is updated."""
+def test_model_optimizer_that_accumulates_raises_naming_it():
+    """The table would be updated at every micro-step of an accumulated step: the first training call raises,
+    before anything is updated."""
     model, layer = pooled_layer_model()
     before = numpy_of(layer.embeddings)
-    model.compile(optimizer=wrap(keras.optimizers.Adam(0.01)), loss="mse")
+    model.compile(optimizer=keras.optimizers.Adam(0.01, gradient_accumulation_steps=2), loss="mse")
     ids, y = fit_data()
-    with pytest.raises(ValueError, match=named):
+    with pytest.raises(ValueError, match="table.*gradient_accumulation_steps=2"):
         model.train_on_batch(ids[:BATCH], y[:BATCH])
     np.testing.assert_array_equal(numpy_of(layer.embeddings), before)
-    model.compile(
-        optimizer=keras.optimizers.Adam(0.01), loss="mse"
-    )  # an unscaled optimizer trains on
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")  # without it, it trains on
     model.train_on_batch(ids[:BATCH], y[:BATCH])
     assert float(numpy_of(layer.iterations)) == 1
+
+
+SKIPPING_MODEL_OPTIMIZERS = {
+    "loss_scale": lambda: keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=2.0**10
+    ),
+    "loss_scale_factor": lambda: keras.optimizers.SGD(0.1, loss_scale_factor=64.0),
+    "skip_nonfinite": lambda: kto.Adafactor(0.1, skip_nonfinite_updates=True),
+}
+
+
+@pytest.mark.parametrize("model_optimizer", list(SKIPPING_MODEL_OPTIMIZERS))
+@pytest.mark.parametrize("case", ["default", "last_occurrence", "not_lazy"])
+def test_model_optimizer_that_scales_or_skips(case, model_optimizer):
+    """A model's optimizer that scales the loss trains the table with the unscaled rows' gradient: the numpy
+    reference's numbers. One that skips non-finite steps (a `LossScaleOptimizer`, `skip_nonfinite_updates`)
+    skips the table's too: an overflowing step (targets near float32's maximum: the rows' gradient is
+    infinite) leaves every variable of the layer bit for bit as it was, the next steps train as the reference
+    without it, and a `LossScaleOptimizer` halves its scale."""
+    options = OPTION_CASES[case]
+    model, layer = table_model(options)
+    model.compile(optimizer=SKIPPING_MODEL_OPTIMIZERS[model_optimizer](), loss="mse")
+    reference = NumpyEmbeddingAdam(initial_table(), **reference_arguments(options))
+    skips = model_optimizer != "loss_scale_factor"
+    for step, ids in enumerate(STEP_IDS):
+        ids = np.asarray(ids, np.int32)
+        if step == 1 and skips:
+            before = [numpy_of(v) for v in layer.weights]
+            bad = 3e38 if model_optimizer == "loss_scale" else np.nan
+            model.train_on_batch(ids, np.full((BATCH, K, DIM), bad, np.float32))
+            for want, variable in zip(before, layer.weights):
+                np.testing.assert_array_equal(numpy_of(variable), want, err_msg=variable.path)
+        y = targets(step, (BATCH, K, DIM))
+        gradient = 2 * (reference.weights[ids].astype(np.float64) - y) / (BATCH * K * DIM)
+        model.train_on_batch(ids, y)
+        reference.apply_sparse(ids.reshape(-1), gradient.reshape(-1, DIM))
+    assert_matches(layer, reference)
+    if model_optimizer == "loss_scale":
+        assert float(numpy_of(model.optimizer.dynamic_scale)) == 2.0**9
+
+
+def test_mixed_float16_trains_the_table_and_skips_an_overflowing_step():
+    """Under the `mixed_float16` policy Keras wraps the model's optimizer in a `LossScaleOptimizer`: the table
+    (float32) trains as in float32 up to float16's rounding of the looked-up rows, and a step whose float16
+    gradient overflows leaves the layer as it was, the next steps training as a run without it."""
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        mixed, mixed_layer = pooled_layer_model()
+        clean, clean_layer = pooled_layer_model()
+    finally:
+        keras.config.set_dtype_policy("float32")
+    full, full_layer = pooled_layer_model()
+    assert isinstance(mixed.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert mixed_layer.embeddings.dtype == "float32" and mixed_layer.compute_dtype == "float16"
+    ids, y = fit_data()
+    for start in range(0, len(ids), BATCH):
+        batch = ids[start : start + BATCH], y[start : start + BATCH]
+        if start == BATCH:
+            before = [numpy_of(v) for v in mixed_layer.weights]
+            mixed.train_on_batch(batch[0], np.full_like(batch[1], 6e4))
+            for want, variable in zip(before, mixed_layer.weights):
+                np.testing.assert_array_equal(numpy_of(variable), want, err_msg=variable.path)
+        for model in (mixed, clean, full):
+            model.train_on_batch(*batch)
+    for a, b in zip(mixed_layer.weights, clean_layer.weights):
+        np.testing.assert_array_equal(numpy_of(a), numpy_of(b), err_msg=a.path)
+    assert float(numpy_of(mixed_layer.iterations)) == len(STEP_IDS)
+    np.testing.assert_allclose(
+        numpy_of(mixed_layer.embeddings), numpy_of(full_layer.embeddings), rtol=0, atol=5e-3
+    )
 
 
 MODES = {

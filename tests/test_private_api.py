@@ -24,6 +24,22 @@ def test_in_stateless_scope():
         assert _private.in_stateless_scope()
 
 
+def test_calling_model_is_the_outermost_layer_called():
+    seen = []
+
+    class Probe(keras.layers.Layer):
+        def call(self, x):
+            seen.append(_private.calling_model())
+            return x
+
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, Probe()(keras.layers.Dense(2)(inputs)))
+    seen.clear()
+    model(np.ones((1, 2), "float32"))
+    assert seen == [model]
+    assert _private.calling_model() is None
+
+
 @pytest.mark.backend_neutral
 def test_base_optimizer_keyword_args_documents_the_base_keywords():
     text = _private.base_optimizer_keyword_args()

@@ -121,8 +121,9 @@ class LookupEvaluation:
     groupings and writes (here the neutral forms, in `keras.ops`)."""
 
     def hook(self, forward, backward, ids, step, learning_rate, state, window, cache, name):
-        """The looked-up rows, `forward`'s, with `backward` run in the lookup's backward pass (the backend's;
-        `cache`, `name`: the layer's); `backward` returns the new tables (None: written in place), the new
+        """The looked-up rows, `forward`'s, and a float32 zero, with `backward` run in the lookup's backward
+        pass on their gradients (the rows', then the zero's: the loss's scale; `cache`, `name`: the layer's);
+        `backward` returns the new tables (None: written in place), the new
         window and the next value of `iterations`, its gradient. The `targets` the backward pass writes are
         the layer's variables where state is written in place (TF, torch), their values where it is not
         (JAX)."""
@@ -198,6 +199,7 @@ def trained_lookup(
     name,
     evaluation,
     skip_nonfinite=False,
+    skip_with_model=False,
 ):
     """The rows of the table `state[0]` (then its slots) at `ids`, trained in the lookup's backward pass:
     every backend's sequence, which `evaluation` (the backend's `LookupEvaluation`) hooks into autograd.
@@ -211,7 +213,13 @@ def trained_lookup(
     (`read_ids`), gathers each distinct row once and catches it up; the backward pass steps those rows,
     writes them and advances the window. The gradient of `iterations` is its next value. With
     `skip_nonfinite`, a step whose row gradients hold a NaN or an Inf changes nothing: no row, slot or
-    window is written and `iterations` keeps its value.
+    window is written and `iterations` keeps its value; with `skip_with_model` (the model's optimizer skips
+    non-finite steps) its gradient is then NaN instead, so that the model's optimizer skips the step too
+    (and a `LossScaleOptimizer` lowers its scale).
+
+    Returns the rows and a zero for the caller to add to the loss: its gradient, which the hook hands to the
+    backward pass beside the rows', is the factor by which the loss was scaled (a `LossScaleOptimizer`'s
+    scale, `loss_scale_factor`), by which the rows' gradient is divided; 0 (a loss without it) reads as 1.
     """
     ev = evaluation
     step = ev.read_step(iterations)
@@ -222,7 +230,11 @@ def trained_lookup(
         return ops.all(ops.isfinite(row_gradients)) if skip_nonfinite else None
 
     def next_step(step, finite):
-        return step + (1 if finite is None else ops.cast(finite, step.dtype))
+        if finite is None:
+            return step + 1
+        if skip_with_model:
+            return ops.where(finite, step + 1, float("nan"))
+        return step + ops.cast(finite, step.dtype)
 
     if window is None:
 
@@ -288,4 +300,9 @@ def trained_lookup(
                 new_window = ops.where(finite, new_window, window)
             return new_tables, new_window, next_step(step, finite)
 
-    return ev.hook(forward, backward, ids, step, learning_rate, state, window, cache, name)
+    def unscaled_backward(residuals, row_gradients, loss_scale, *arguments):
+        loss_scale = ops.cast(loss_scale, row_gradients.dtype)
+        loss_scale = ops.where(ops.equal(loss_scale, 0), ops.ones_like(loss_scale), loss_scale)
+        return backward(residuals, row_gradients / loss_scale, *arguments)
+
+    return ev.hook(forward, unscaled_backward, ids, step, learning_rate, state, window, cache, name)

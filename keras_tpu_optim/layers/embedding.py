@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
 import warnings
 
 import keras
@@ -26,40 +25,27 @@ _UNSUPPORTED = {
     "slot_variable_creation_fn": "the layer creates and saves the table's slots itself",
 }
 
-# The model optimizer's options that change what the lookup's backward pass receives or when the table may
-# be updated, with why: each raises a `ValueError` naming it at the first training call.
-_UNSUPPORTED_IN_THE_MODEL = {
-    "gradient_accumulation_steps": "the table is updated in the backward pass of every step, not once per "
-    "accumulated step",
-    "loss_scale_factor": "the loss is scaled, so the gradient of the looked-up rows would arrive scaled",
-    "skip_nonfinite_updates": "a skipped step cannot undo the table's update, made in the lookup's backward pass",
-}
 
-
-def _check_model_optimizer(layer_name):
-    """Raise if the optimizer of the model whose `train_step` (Keras's or its own) is running would scale
-    the lookup's gradient or accumulate or skip steps."""
-    frame = sys._getframe(1)
-    while frame is not None and not (
-        frame.f_code.co_name == "train_step" and isinstance(frame.f_locals.get("self"), keras.Model)
-    ):
-        frame = frame.f_back
-    optimizer = None if frame is None else getattr(frame.f_locals["self"], "optimizer", None)
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+def _model_optimizer_skips(layer_name):
+    """Whether the optimizer of the model calling the layer skips non-finite steps (a `LossScaleOptimizer`, or
+    `skip_nonfinite_updates`), as the table's update then does, or None where no model is calling (the model
+    is the outermost layer of the call, Keras's call context); raise if it accumulates gradients over steps."""
+    model = _private.calling_model()
+    if not isinstance(model, keras.Model):
+        return None
+    optimizer = getattr(model, "optimizer", None)
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    steps = getattr(inner, "gradient_accumulation_steps", None)
+    if steps:
         raise ValueError(
-            f"keras_tpu_optim.layers.Embedding '{layer_name}' with `optimizer`: the model's optimizer is a "
-            "`LossScaleOptimizer`, which scales the loss, so the gradient of the looked-up rows, from which the "
-            "table is updated in the lookup's backward pass, would arrive scaled. Compile the model with an "
-            "unscaled optimizer (use `mixed_bfloat16` for mixed precision), or use this layer without `optimizer`."
+            f"keras_tpu_optim.layers.Embedding '{layer_name}' with `optimizer`: the model's optimizer has "
+            f"`gradient_accumulation_steps={steps!r}`, which is not supported (the table is updated in the "
+            "backward pass of every step, not once per accumulated step). Compile the model without it, or use "
+            "this layer without `optimizer`."
         )
-    for name, why in _UNSUPPORTED_IN_THE_MODEL.items():
-        value = getattr(optimizer, name, None)
-        if value:
-            raise ValueError(
-                f"keras_tpu_optim.layers.Embedding '{layer_name}' with `optimizer`: the model's optimizer has "
-                f"`{name}={value!r}`, which is not supported ({why}). Compile the model without it, or use this "
-                "layer without `optimizer`."
-            )
+    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or bool(
+        getattr(inner, "skip_nonfinite_updates", False)
+    )
 
 
 def _check_optimizer(optimizer):
@@ -131,25 +117,28 @@ class Embedding(keras.layers.Embedding):
     ids are counted in `out_of_range_ids` (an int32 variable, not saved), and
     a step run eagerly warns once (docs/algorithms.md#ids-out-of-range).
 
-    With the optimizer's `skip_nonfinite_updates=True`, a step in which the
-    gradient of the looked-up rows holds a NaN or an Inf leaves the table, its
-    slots and `iterations` as they were. The layer sees only its rows'
-    gradients: a step whose other gradients are not finite still trains the
-    table.
+    Under a loss scale (the model's `LossScaleOptimizer`, as `mixed_float16`
+    makes it, or `loss_scale_factor`) the rows' gradient is unscaled: the
+    layer adds a zero to the model's losses whose gradient is the scale. With
+    `skip_nonfinite_updates=True` in this optimizer or the model's, or under a
+    `LossScaleOptimizer`, a step in which the looked-up rows' gradient holds a
+    NaN or an Inf leaves the table, its slots and `iterations` as they were,
+    and the model's optimizer, where it skips such steps, skips it too. The
+    layer sees only its rows: on TF and torch a step whose other gradients
+    alone are not finite still trains the table
+    (docs/algorithms.md#non-finite-steps-in-the-layers).
 
     Requirements, each checked where it can be: the layer is called once per
     training step (to look up several id tensors, concatenate them; checked
-    but in eager TensorFlow and under `torch.compile`); of the `tf.distribute` strategies,
-    `MirroredStrategy` and `MultiWorkerMirroredStrategy`, with `lazy_adam=True` and without
-    `skip_nonfinite_updates` (every replica's rows reach one update); the
-    table is read only through the layer; the optimizer has no `use_ema`,
-    `gradient_accumulation_steps`, `clipnorm`, `global_clipnorm`,
-    `loss_scale_factor` or `slot_variable_creation_fn`; the table has no
-    `embeddings_regularizer`, `embeddings_constraint`, LoRA or quantization; the model's optimizer does
-    not scale the loss, accumulate gradients over steps or skip steps (no
-    `LossScaleOptimizer`, `mixed_float16` policy, `loss_scale_factor`,
-    `gradient_accumulation_steps` or `skip_nonfinite_updates`; checked where
-    the model's `train_step`, Keras's or its own, calls the layer).
+    but in eager TensorFlow and under `torch.compile`); of the `tf.distribute`
+    strategies, `MirroredStrategy` and `MultiWorkerMirroredStrategy`, with
+    `lazy_adam=True` and without skipping non-finite steps (every replica's
+    rows reach one update); the table is read only through the layer; the
+    optimizer has no `use_ema`, `gradient_accumulation_steps`, `clipnorm`,
+    `global_clipnorm`, `loss_scale_factor` or `slot_variable_creation_fn`; the
+    table has no `embeddings_regularizer`, `embeddings_constraint`, LoRA or
+    quantization; the model's optimizer does not accumulate gradients over
+    steps (`gradient_accumulation_steps`, checked where Keras calls the model).
 
     Args:
         input_dim, output_dim, embeddings_initializer, embeddings_regularizer,
@@ -178,13 +167,6 @@ class Embedding(keras.layers.Embedding):
                         "(the table is updated row by row in the lookup's backward pass). "
                         f"Received: {argument}={kwargs[argument]!r}"
                     )
-            policy = keras.dtype_policies.get(kwargs.get("dtype")) if kwargs.get("dtype") else None
-            if (policy or keras.config.dtype_policy()).name == "mixed_float16":
-                raise ValueError(
-                    "keras_tpu_optim.layers.Embedding with `optimizer`: the `mixed_float16` policy makes Keras "
-                    "scale the loss (LossScaleOptimizer), which would scale the table's updates. Use "
-                    "`mixed_bfloat16`, or this layer without `optimizer`."
-                )
         super().__init__(input_dim, output_dim, *args, **kwargs)
 
     @property
@@ -340,6 +322,11 @@ class Embedding(keras.layers.Embedding):
     def call(self, inputs, training=None):
         if self._table_optimizer is None:
             return super().call(inputs)
+        # Read in every call with the model calling: JAX's step calls it statelessly (no call context), but
+        # Keras builds it symbolically, calling it, before the first step after `compile`.
+        skips = _model_optimizer_skips(self.name)
+        if skips is not None:
+            self.__dict__["_model_optimizer_skips"] = skips
         if inputs.dtype != "int32" and inputs.dtype != "int64":
             inputs = ops.cast(inputs, "int32")
         ids, outside = self._counted_in_table(inputs)
@@ -358,11 +345,11 @@ class Embedding(keras.layers.Embedding):
                 )
             return self._masked(outputs, outside)
         self._check_one_lookup_per_step()
-        _check_model_optimizer(self.name)
         optimizer = self._table_optimizer
+        skip_with_model = self.__dict__.get("_model_optimizer_skips", False)
         # Read where Keras maps the variables to the step's state.
         learning_rate, options = self._row_update_arguments(self.iterations.value)
-        outputs = backend.trained_lookup(
+        outputs, loss_scale_probe = backend.trained_lookup(
             ids,
             self._row_state(),
             self.iterations,
@@ -373,8 +360,11 @@ class Embedding(keras.layers.Embedding):
             window=self.catch_up_sums,
             cache=self._backend_cache,
             name=self.name,
-            skip_nonfinite=optimizer.skip_nonfinite_updates,
+            skip_nonfinite=optimizer.skip_nonfinite_updates or skip_with_model,
+            skip_with_model=skip_with_model,
         )
+        # A zero whose gradient is the scale of the loss (`trained_lookup`).
+        self.add_loss(loss_scale_probe)
         return self._masked(outputs, outside)
 
     def _counted_in_table(self, ids):

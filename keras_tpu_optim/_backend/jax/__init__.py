@@ -254,16 +254,26 @@ class _Lookup(neutral.LookupEvaluation):
     def hook(self, forward, backward, ids, step, learning_rate, state, window, cache, name):
         @jax.custom_vjp
         def lookup(ids, step, learning_rate, window, *tables):
-            return forward(ids, step, learning_rate, tables, window)[0]
+            return forward(ids, step, learning_rate, tables, window)[0], jax.numpy.zeros(
+                (), "float32"
+            )
 
         def saving(ids, step, learning_rate, window, *tables):
             found, residuals = forward(ids, step, learning_rate, tables, window)
-            return found, (residuals, ids, step, learning_rate, window, tables)
+            return (found, jax.numpy.zeros((), "float32")), (
+                residuals,
+                ids,
+                step,
+                learning_rate,
+                window,
+                tables,
+            )
 
-        def stepping(saved, row_gradients):
+        def stepping(saved, cotangents):
             residuals, ids, step, learning_rate, window, tables = saved
+            row_gradients, loss_scale = cotangents
             new_tables, new_window, next_step = backward(
-                residuals, row_gradients, ids, step, learning_rate, tables, window
+                residuals, row_gradients, loss_scale, ids, step, learning_rate, tables, window
             )
             return (None, next_step, None, new_window, *new_tables)
 

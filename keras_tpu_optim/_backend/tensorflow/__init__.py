@@ -124,21 +124,32 @@ class _Lookup(neutral.LookupEvaluation):
 
         @tf.custom_gradient
         def hooked(found, step):
-            def gradient(row_gradients):
+            def gradient(row_gradients, loss_scale):
                 every_id = ids
+                loss_scale = 0.0 if loss_scale is None else loss_scale
                 if replicas is not None:
                     # Every replica steps the table with every replica's rows, alike; the writes of
                     # the first reach every copy (the state's aggregation, `only_first_replica`).
                     every_id = replicas.all_gather(ids, axis=0)
                     row_gradients = replicas.all_gather(row_gradients, axis=0)
+                    # Keras divides each replica's loss by their number: its rows' gradients then sum to
+                    # one device's, and the probe's gradient is the scale divided by it.
+                    loss_scale = loss_scale * replicas.num_replicas_in_sync
                 _, new_window, next_step = backward(
-                    residuals, row_gradients, every_id, step, learning_rate, state, window_before
+                    residuals,
+                    row_gradients,
+                    loss_scale,
+                    every_id,
+                    step,
+                    learning_rate,
+                    state,
+                    window_before,
                 )
                 if window is not None:
                     window.assign(new_window)
                 return None, next_step
 
-            return tf.identity(found), gradient
+            return (tf.identity(found), tf.zeros((), "float32")), gradient
 
         return hooked(found, step)
 
@@ -148,10 +159,11 @@ class _Lookup(neutral.LookupEvaluation):
     def unless_nonfinite(self, finite, write, ids, targets, every_row):
         if finite is not None and tf.distribute.get_strategy().num_replicas_in_sync > 1:
             raise ValueError(
-                "keras_tpu_optim.layers.Embedding with `optimizer`: `skip_nonfinite_updates=True` does not run "
-                f"under a tf.distribute strategy ({type(tf.distribute.get_strategy()).__name__}): its skip is a "
-                "condition around the replicas' writes, which TF's strategies do not allow. Unset it, or train on "
-                "one device."
+                "keras_tpu_optim.layers.Embedding with `optimizer`: skipping a non-finite step "
+                "(`skip_nonfinite_updates=True` in its optimizer or the model's, or the model's "
+                "LossScaleOptimizer) does not run under a tf.distribute strategy "
+                f"({type(tf.distribute.get_strategy()).__name__}): the skip is a condition around the replicas' "
+                "writes, which TF's strategies do not allow. Unset it, or train on one device."
             )
         return super().unless_nonfinite(finite, write, ids, targets, every_row)
 

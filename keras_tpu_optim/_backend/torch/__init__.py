@@ -220,14 +220,23 @@ class _Lookup(neutral.LookupEvaluation):
             saved.append(residuals)
             return found
 
-        def backward_step(ids, row_gradients, step):
+        def backward_step(ids, row_gradients, loss_scale, step):
             if checked:
                 _check_one_update_per_step(cache, name, count)
             _, new_window, next_step = backward(
-                saved.pop(), row_gradients, ids, step, learning_rate, state, window_before
+                saved.pop(),
+                row_gradients,
+                loss_scale,
+                ids,
+                step,
+                learning_rate,
+                state,
+                window_before,
             )
             if window is not None:
                 window.assign(new_window)
+            if checked:
+                cache["last_update"] = ((id(count), count._version), next_step)
             return next_step
 
         return _TrainedLookup.apply(ids, step, state[0].value, backward_step, read)
@@ -265,37 +274,37 @@ class _TrainedLookup(torch.autograd.Function):
     def forward(ctx, ids, step, table, backward_step, read):
         ctx.backward_step = backward_step
         ctx.save_for_backward(ids, step)
-        return read(ids, step)
+        found = read(ids, step)
+        return found, found.new_zeros((), dtype=torch.float32)
 
     @staticmethod
-    def backward(ctx, row_gradients):
+    def backward(ctx, row_gradients, loss_scale):
         ids, step = ctx.saved_tensors
         with torch.no_grad():
-            next_step = ctx.backward_step(ids, row_gradients, step)
+            next_step = ctx.backward_step(ids, row_gradients, loss_scale, step)
         return None, next_step, None, None, None
 
 
 def _check_one_update_per_step(cache, name, iterations):
-    """Raise if the table was updated at this value of `iterations` already (`cache` keeps the step count,
-    the tensor and its in-place version, at the table's last update).
+    """Raise if the table was updated at this value of `iterations` already (`cache` keeps the step count's
+    tensor and in-place version at the table's last update, and the next step it handed on).
 
     The model's optimizer advances `iterations` (in place, which bumps the
     tensor's version) after each step's backward pass; a second backward pass
-    before that is a second lookup in one step. Read without a host sync.
+    before that is a second lookup in one step, unless the last update handed
+    on a NaN (a step the model's optimizer skipped). Read without a host sync
+    but on a repeat.
     """
-    key = (id(iterations), iterations._version)
-    if cache.get("last_update") == key:
-        del cache[
-            "last_update"
-        ]  # the next step, once the model's optimizer has run, is a fresh one
-        raise ValueError(
-            f"keras_tpu_optim.layers.Embedding '{name}' with `optimizer` is called twice in one training "
-            "step (its table was updated at this step already); each call would update the table by itself. Look "
-            "all ids up in one call (concatenate them), or use a layer without `optimizer`. (The same is raised "
-            "when the model's optimizer did not advance the layer's `iterations` since the last update: it must "
-            "receive the layer's trainable variables.)"
-        )
-    cache["last_update"] = key
+    last = cache.pop("last_update", None)
+    if last is None or last[0] != (id(iterations), iterations._version) or torch.isnan(last[1]):
+        return
+    raise ValueError(
+        f"keras_tpu_optim.layers.Embedding '{name}' with `optimizer` is called twice in one training "
+        "step (its table was updated at this step already); each call would update the table by itself. Look "
+        "all ids up in one call (concatenate them), or use a layer without `optimizer`. (The same is raised "
+        "when the model's optimizer did not advance the layer's `iterations` since the last update: it must "
+        "receive the layer's trainable variables.)"
+    )
 
 
 def host_value(x):
