@@ -125,9 +125,13 @@ class LookupEvaluation:
         pass on their gradients (the rows', then the zero's: the loss's scale; `cache`, `name`: the layer's);
         `backward` returns the new tables (None: written in place), the new
         window and the next value of `iterations`, its gradient. The `targets` the backward pass writes are
-        the layer's variables where state is written in place (TF, torch), their values where it is not
-        (JAX)."""
+        the layer's variables where state is written in place (TF, torch; the default), their values where
+        it is not (JAX)."""
         raise NotImplementedError
+
+    def write_window(self, window, new_window):
+        """Write the catch-up window's new value where state is written in place (TF, torch)."""
+        window.assign(new_window)
 
     def read_step(self, iterations):
         """The value of `iterations` the step reads."""
@@ -300,9 +304,16 @@ def trained_lookup(
                 new_window = ops.where(finite, new_window, window)
             return new_tables, new_window, next_step(step, finite)
 
-    def unscaled_backward(residuals, row_gradients, loss_scale, *arguments):
+    def unscaled_backward(
+        residuals, row_gradients, loss_scale, ids, step, learning_rate, window_value, targets=state
+    ):
         loss_scale = ops.cast(loss_scale, row_gradients.dtype)
         loss_scale = ops.where(ops.equal(loss_scale, 0), ops.ones_like(loss_scale), loss_scale)
-        return backward(residuals, row_gradients / loss_scale, *arguments)
+        new_tables, new_window, next_step = backward(
+            residuals, row_gradients / loss_scale, ids, step, learning_rate, targets, window_value
+        )
+        if window is not None:
+            ev.write_window(window, new_window)
+        return new_tables, new_window, next_step
 
     return ev.hook(forward, unscaled_backward, ids, step, learning_rate, state, window, cache, name)

@@ -273,13 +273,16 @@ class _Lookup(neutral.LookupEvaluation):
             residuals, ids, step, learning_rate, window, tables = saved
             row_gradients, loss_scale = cotangents
             new_tables, new_window, next_step = backward(
-                residuals, row_gradients, loss_scale, ids, step, learning_rate, tables, window
+                residuals, row_gradients, loss_scale, ids, step, learning_rate, window, tables
             )
             return (None, next_step, None, new_window, *new_tables)
 
         lookup.defvjp(saving, stepping)
         window = None if window is None else window.value
         return lookup(ids, step, learning_rate, window, *(t.value for t in state))
+
+    def write_window(self, window, new_window):
+        pass  # Its new value is its gradient.
 
     def gather(self, table, ids):
         # An id past the table reads as `ops.take` reads it (NaN); its update is dropped.

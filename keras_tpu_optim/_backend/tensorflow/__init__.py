@@ -135,18 +135,15 @@ class _Lookup(neutral.LookupEvaluation):
                     # Keras divides each replica's loss by their number: its rows' gradients then sum to
                     # one device's, and the probe's gradient is the scale divided by it.
                     loss_scale = loss_scale * replicas.num_replicas_in_sync
-                _, new_window, next_step = backward(
+                _, _, next_step = backward(
                     residuals,
                     row_gradients,
                     loss_scale,
                     every_id,
                     step,
                     learning_rate,
-                    state,
                     window_before,
                 )
-                if window is not None:
-                    window.assign(new_window)
                 return None, next_step
 
             return (tf.identity(found), tf.zeros((), "float32")), gradient

@@ -223,18 +223,9 @@ class _Lookup(neutral.LookupEvaluation):
         def backward_step(ids, row_gradients, loss_scale, step):
             if checked:
                 _check_one_update_per_step(cache, name, count)
-            _, new_window, next_step = backward(
-                saved.pop(),
-                row_gradients,
-                loss_scale,
-                ids,
-                step,
-                learning_rate,
-                state,
-                window_before,
+            _, _, next_step = backward(
+                saved.pop(), row_gradients, loss_scale, ids, step, learning_rate, window_before
             )
-            if window is not None:
-                window.assign(new_window)
             if checked:
                 cache["last_update"] = ((id(count), count._version), next_step)
             return next_step
