@@ -207,22 +207,46 @@ def mark_touched(gradient, window, number):
     return ops.where(touched_row_mask(gradient), ops.cast(number, window.dtype), window)
 
 
-def stored(new, dtype, stream: int, *, ids, step, variable_index, options: RowUpdateOptions):
-    """The float32 rows `new` in their variable's `dtype`: rounded to nearest, or, with
-    `options.stochastic_rounding` and a bfloat16/float16 `dtype`, stochastically, keyed by the seed, the
-    optimizer's `step`, `3 * variable_index + stream` (stream 0: the table, 1: `momenta`, 2:
-    `velocities`) and each element's index in its variable (rows `ids`; None: every row, in order), so
-    that a row draws the same bits on every backend and path."""
-    if not options.stochastic_rounding or standardize_dtype(dtype) not in ("bfloat16", "float16"):
-        return ops.cast(new, dtype)
-    return stochastic_rounding.stochastic_round(
-        new,
-        dtype,
-        seed=options.seed,
-        step=step,
-        variable_index=3 * variable_index + stream,
-        index=None if ids is None else stochastic_rounding.row_elements(ids, new.shape),
-    )
+def stored(new_values, dtypes, *, ids, step, variable_index, options: RowUpdateOptions) -> tuple:
+    """The float32 rows `new_values` of the table and its Adam slots in their variables' `dtypes`: rounded
+    to nearest, or, with `options.stochastic_rounding` and a bfloat16/float16 dtype, stochastically, keyed
+    by the seed, the optimizer's `step`, `3 * variable_index + stream` (stream 0: the table, 1: `momenta`,
+    2: `velocities`) and each element's index in its variable (rows `ids`; None: every row, in order), so
+    that a row draws the same bits on every backend and path. Values of one shape and dtype are rounded
+    in one pass over their stack (each with its own key: the same bits as one by one)."""
+    out = list(new_values)
+    groups = {}
+    for stream, (new, dtype) in enumerate(zip(new_values, dtypes)):
+        if (
+            options.stochastic_rounding
+            and stream < 3
+            and standardize_dtype(dtype) in ("bfloat16", "float16")
+        ):
+            groups.setdefault((standardize_dtype(dtype), tuple(new.shape)), []).append(stream)
+        else:
+            out[stream] = ops.cast(new, dtype)
+    for (dtype, shape), streams in groups.items():
+        keys = [3 * variable_index + stream for stream in streams]
+        stacked = len(streams) > 1
+        rounded = stochastic_rounding.stochastic_round(
+            ops.stack([new_values[s] for s in streams]) if stacked else new_values[streams[0]],
+            dtype,
+            seed=options.seed,
+            step=step,
+            # One key per stacked value, broadcast against the elements' indices.
+            variable_index=(
+                ops.reshape(
+                    ops.stack([ops.cast(k, "int32") for k in keys]), (-1,) + (1,) * len(shape)
+                )
+                if stacked
+                else keys[0]
+            ),
+            shape=shape,
+            index=None if ids is None else stochastic_rounding.row_elements(ids, shape),
+        )
+        for i, stream in enumerate(streams):
+            out[stream] = rounded[i] if stacked else rounded
+    return tuple(out)
 
 
 def update_rows_in_float32(
@@ -252,10 +276,13 @@ def update_rows_in_float32(
         *adam_extra,
     )
     old = (weight, momenta, velocities, *adam_extra)
-    key = dict(ids=ids, step=step, variable_index=variable_index, options=options)
-    new_values = tuple(
-        stored(new, before.dtype, stream, **key) if stream < 3 else ops.cast(new, before.dtype)
-        for stream, (new, before) in enumerate(zip(new_values, old))
+    new_values = stored(
+        new_values,
+        [before.dtype for before in old],
+        ids=ids,
+        step=step,
+        variable_index=variable_index,
+        options=options,
     )
     if options.ema_momentum is None:
         return new_values

@@ -43,12 +43,24 @@ def _mix(h):
     return ops.bitwise_xor(h, _shift_right_logical(h, 16))
 
 
+def _mix_on_host(h: int) -> int:
+    """`_mix` of a Python int, as an int32 value (for keys known when the step is traced)."""
+    h &= 0xFFFFFFFF
+    h ^= h >> 16
+    h = (h * (_M1 & 0xFFFFFFFF)) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * (_M2 & 0xFFFFFFFF)) & 0xFFFFFFFF
+    h ^= h >> 16
+    return h - (1 << 32) if h >= 1 << 31 else h
+
+
 def random_bits(shape, seed, step, variable_index, offset=0, index=None):
     """32 random bits per element (int32 of `shape`): a hash of `(seed, step, variable_index, element
     index)`, the index row-major in `shape` plus `offset` (a block's start in a larger variable), or
     `index` (int32, of `shape`: the elements' row-major indices in their variable, for rows gathered
-    from it)."""
-    key = _mix(_int32(seed))
+    from it). `variable_index` may hold several indices, shaped to broadcast against the elements' (bits
+    for each)."""
+    key = _int32(_mix_on_host(seed)) if isinstance(seed, int) else _mix(_int32(seed))
     key = _mix(ops.bitwise_xor(key, ops.add(_int32(step), _int32(_STEP_SALT))))
     key = _mix(ops.bitwise_xor(key, ops.add(_int32(variable_index), _int32(_VARIABLE_SALT))))
     if index is None:
@@ -87,7 +99,8 @@ def stochastic_round(x, dtype, *, seed, step, variable_index, shape=None, offset
 
     Infinities and NaN pass through. float16 subnormals are rounded on `|x| * 2^24`; float32 subnormal
     inputs may differ in bits (some backends flush them). `shape`: `x`'s static shape if `x.shape` is
-    not fully known; `offset`, `index`: as `random_bits`'.
+    not fully known, or one value's where `x` stacks several, each keyed by its `variable_index` (then of
+    shape `(len(x), 1, ...)`); `offset`, `index`: as `random_bits`'.
     """
     dtype = keras.backend.standardize_dtype(dtype)
     if dtype not in ("bfloat16", "float16"):
