@@ -289,9 +289,17 @@ class EmbeddingAdam(OptimizerBase):
     def _decides_state(self, name, value):
         return name in _STATE_DEFINING
 
-    def _kept_axes(self, variable, name):
-        """The axes of the table a slot keeps: all (None), or axis 0 for a rowwise `velocities`."""
-        return (0,) if name == "velocities" and self.second_moment == "rowwise" else None
+    def _table_state_plan(self) -> tuple:
+        """The state kept beside a table, in the row update's order (`_row_update_options().slot_names`):
+        `(name, the table's axes it keeps (None: all), dtype)`. The optimizer's slots for a table, and the
+        state `kto.layers.Embedding` creates beside its own."""
+        plan = (
+            ("momenta", None, self.momentum_dtype),
+            ("velocities", (0,) if self.second_moment == "rowwise" else None, self.velocity_dtype),
+        )
+        if self.bias_correction == "per_row":
+            plan += (("row_steps", (0,), "int32"),)
+        return plan
 
     @property
     def _plans_slots(self) -> bool:
@@ -300,22 +308,22 @@ class EmbeddingAdam(OptimizerBase):
 
     def _make_state(self, variable) -> VariableState:
         """A table's slots, in the order of `_row_update_options().slot_names` (the row update reads them so)."""
+        plan = self._table_state_plan()
         if self.slot_variable_creation_fn is None:
-            dtypes = (self.momentum_dtype, self.velocity_dtype)
             slots = tuple(
-                _slots.add_slot(
-                    self, variable, name, kept_axes=self._kept_axes(variable, name), dtype=dtype
-                )
-                for name, dtype in zip(SLOT_NAMES, dtypes)
+                _slots.add_slot(self, variable, name, kept_axes=axes, dtype=dtype)
+                for name, axes, dtype in plan[:2]
             )
         else:
             slots = self._create_slots_with_user_fn(variable)
+        slots += tuple(
+            _slots.add_slot(self, variable, name, kept_axes=axes, dtype=dtype)
+            for name, axes, dtype in plan[2:]
+        )
 
         def per_row(role):
             return _slots.add_slot(self, variable, role, kept_axes=(0,), dtype="int32")
 
-        if self.bias_correction == "per_row":
-            slots += (per_row("row_steps"),)
         if self._lazy_ema:
             slots += (per_row("average_steps"),)
         return VariableState(slots, window=per_row(WINDOW_ROLE) if self._accumulates_rows else None)
@@ -420,9 +428,9 @@ class EmbeddingAdam(OptimizerBase):
                 "`slot_variable_creation_fn` must return a dict with exactly the keys "
                 f"{list(SLOT_NAMES)}; it returned {slots!r}."
             )
-        for name in SLOT_NAMES:
+        for name, axes, _ in self._table_state_plan()[:2]:
             slot = slots[name]
-            axes = self._kept_axes(var, name) or range(len(var.shape))
+            axes = axes or range(len(var.shape))
             shape = tuple(var.shape[i] for i in axes)
             if not isinstance(slot, keras.Variable) or tuple(slot.shape) != shape:
                 raise ValueError(

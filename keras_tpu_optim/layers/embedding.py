@@ -198,12 +198,10 @@ class Embedding(keras.layers.Embedding):
         self.iterations = self.add_weight(
             shape=(), name="iterations", trainable=True, overwrite_with_gradient=True, **zeros
         )
-        optimizer = self._table_optimizer
-        rowwise = optimizer.second_moment == "rowwise"
-        self.momenta = self._add_row_state("momenta", table, in_gradients, optimizer.momentum_dtype)
-        self.velocities = self._add_row_state(
-            "velocities", rows if rowwise else table, in_gradients, optimizer.velocity_dtype
-        )
+        # The state EmbeddingAdam keeps beside a table; `row_steps` below.
+        for name, axes, dtype in self._table_optimizer._table_state_plan()[:2]:
+            shape = table if axes is None else tuple(table[i] for i in axes)
+            setattr(self, name, self._add_row_state(name, shape, in_gradients, dtype))
         rate = _private.raw_learning_rate(self._table_optimizer)
         if isinstance(rate, keras.Variable):
             # Tracked as the layer's: a compiled JAX step reads its value, not the value when traced.
@@ -219,6 +217,8 @@ class Embedding(keras.layers.Embedding):
         self.row_steps = self.catch_up_sums = None
         terms = self._catch_up_terms()
         if self._table_optimizer.bias_correction == "per_row" or terms:
+            # float32 where the optimizer's is int32: on JAX the state is written through its gradient,
+            # which integers do not have (exact to 2^24 steps a row).
             self.row_steps = self._add_row_state("row_steps", rows, in_gradients)
         if terms:
             window = catch_up_math.window_size(self.input_dim, self.output_dim, terms)
