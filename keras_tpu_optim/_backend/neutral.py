@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 from keras import ops
 
@@ -11,9 +12,8 @@ from keras_tpu_optim._math import catch_up, sparse_rows
 from keras_tpu_optim._math import embedding_adam as adam_math
 
 
-def cond(condition, true_fn, false_fn):
-    """`ops.cond`; a backend whose `ops.cond` compiles both branches eagerly calls only the one taken."""
-    return ops.cond(condition, true_fn, false_fn)
+# A backend whose `ops.cond` compiles both branches eagerly calls only the one taken.
+cond = ops.cond
 
 
 def eager_branches(iterations) -> bool:
@@ -34,14 +34,8 @@ def checked_gradient(gradient, variable, mismatch):
     return gradient
 
 
-def unstacked(rows):
-    """`rows` split along its first axis (`ops.unstack`)."""
-    return ops.unstack(rows, axis=0)
-
-
-def state_creation_scope():
-    """Where an optimizer's `build` creates its state: the current scope."""
-    return contextlib.nullcontext()
+unstacked = functools.partial(ops.unstack, axis=0)  # `rows` split along its first axis
+state_creation_scope = contextlib.nullcontext  # where `build` creates its state: the current scope
 
 
 def dense_ids(ids, weights, width):
@@ -84,10 +78,7 @@ def adafactor_step(
         evaluation=evaluation,
     )
     if assign is None:
-        assign, assign_sub = (
-            (lambda t, value: t.assign(value)),
-            (lambda t, value: t.assign_sub(value)),
-        )
+        assign, assign_sub = (lambda t, v: t.assign(v)), (lambda t, v: t.assign_sub(v))
     for slot, value in zip(slots, new_slots):
         assign(slot, value)
     adafactor_math.write_back(
@@ -137,10 +128,10 @@ class LookupEvaluation:
         """The value of `iterations` the step reads."""
         return iterations.value
 
-    def grouped(self, every, table, cache):
-        """`(every, group, distinct, slot)` of a catch-up's ids, as `catch_up.looked_up` takes them."""
+    def grouped(self, every):
+        """`(group, distinct, slot)` of a catch-up's ids, as `catch_up.looked_up` takes them."""
         group = sparse_rows.id_ranks(every)
-        return (every, group, *sparse_rows.distinct_ids(every, group))
+        return (group, *sparse_rows.distinct_ids(every, group))
 
     def gather(self, table, ids):
         return ops.take(table, ids, axis=0)
@@ -164,18 +155,10 @@ class LookupEvaluation:
         apply_if(finite, lambda: write(ids), targets)
         return None
 
-    def sparse_gradient(self, ids, values, table, lazy):
-        """The backend's sparse gradient of `table` with rows `values` at `ids` (in-place backends)."""
-        raise NotImplementedError
-
-    def embedding_adam_step(self, gradient, variable, slots, update_rows, **step_options):
-        """The backend's `embedding_adam_step` (in-place backends)."""
-        raise NotImplementedError
-
     def sparse_step(self, targets, ids, values, update_rows, *, lazy, accumulate_duplicates, cache):
         """EmbeddingAdam's step of the `targets` (the table, its slots) with the sparse gradient `(ids,
         values)`: the new tables where state is immutable, else None, the step written in place by the
-        backend's `embedding_adam_step` of its own `sparse_gradient`."""
+        backend's `embedding_adam_step` of its own `sparse_gradient(ids, values, table)` (in-place backends)."""
         table = targets[0]
         self.embedding_adam_step(
             self.sparse_gradient(ids, values, table, lazy),
@@ -266,11 +249,7 @@ def trained_lookup(
             return new_tables, None, next_step(step, finite)
 
     else:
-
-        def caught_up(rows, ids, every, group, distinct, slot, step, window):
-            return catch_up.looked_up(
-                rows, ids, every, group, step, window, options, distinct=distinct, slot=slot
-            )
+        caught_up = functools.partial(catch_up.looked_up, options=options)
 
         def stepped(residuals, row_gradients, learning_rate, step, window):
             distinct, new_rows = catch_up.stepped_rows(
@@ -282,10 +261,10 @@ def trained_lookup(
             # A row looked up for an id past the table steps with a zero gradient: ordinary Adam's step.
             ids = ops.minimum(ids, tables[0].shape[0] - 1)
             every = catch_up.read_ids(ids, step, tables[0].shape[0], options)
-            every, group, distinct, slot = ev.grouped(every, tables[0], cache)
+            group, distinct, slot = ev.grouped(every)
             rows = [ev.gather(t, distinct) for t in tables]
             return ev.compiled("catch_up_lookup", caught_up, options, cache)(
-                rows, ids, every, group, distinct, slot, step, window
+                rows, ids, group, distinct, slot, step, window
             )
 
         def backward(residuals, row_gradients, ids, step, learning_rate, targets, window):

@@ -21,7 +21,6 @@ import math
 import numpy as np
 from keras import ops
 
-from keras_tpu_optim._math import sparse_rows
 
 # `embedding_adam` imports this module (read at call time).
 from keras_tpu_optim._math import embedding_adam as adam_math
@@ -110,30 +109,19 @@ def options_plan(options) -> Plan:
     return plan(options.beta_1, options.beta_2, options.sum_inside_sqrt, options.catch_up_window)
 
 
-def initial_window(plan_: Plan) -> np.ndarray:
-    """The window of a table whose rows are all current: `log E = 0`, `C = 0`."""
-    return np.zeros((plan_.terms + 1, plan_.window + 1), np.float32)
-
-
-def step_rate_and_decay(learning_rate, step, options):
-    """`(a, decay)` of step `step + 1`: its bias-corrected rate and its weight decay, as
-    `embedding_adam.row_update` takes them (`learning_rate` is uncorrected with per-row correction)."""
-    rate = ops.cast(learning_rate, "float32")
-    if options.bias_correction == "per_row":
-        rate = adam_math.bias_corrected_learning_rate(
-            rate, ops.cast(step, "float32") + 1.0, options.beta_1, options.beta_2
-        )
-    decay = adam_math.weight_decay(rate, options)
-    return rate, None if decay is None else ops.cast(decay, "float32")
-
-
 def advanced_window(window, learning_rate, step, options):
     """The window after step `step + 1`: `log E(d) <- log E(d - 1) + log(1 - decay)`, `C_n(d) <-
     (1 - decay) C_n(d - 1) + a c_n r^d (p^d - 1)^n`. The decay is kept as a sum of logarithms and
     subtracted from the sums, as `row_update` subtracts it from a weight: a product of rounded
     `1 - decay` factors would drift."""
     plan_ = options_plan(options)
-    rate, decay = step_rate_and_decay(learning_rate, step, options)
+    # Step `step + 1`'s bias-corrected rate (`learning_rate` is uncorrected with per-row correction).
+    rate = ops.cast(learning_rate, "float32")
+    if options.bias_correction == "per_row":
+        rate = adam_math.bias_corrected_learning_rate(
+            rate, ops.cast(step, "float32") + 1.0, options.beta_1, options.beta_2
+        )
+    decay = adam_math.weight_decay(rate, options)
     logs, sums = window[:1, :-1], window[1:, :-1]
     if decay is not None:
         logs = logs + ops.log1p(-decay)
@@ -172,16 +160,10 @@ def caught_up(weight, momenta, velocities, row_steps, step, window, options):
     new_weight = adam_math.clip_between(
         new_weight, options.clip_weight_min, options.clip_weight_max
     )
-    return (
-        new_weight,
-        picked[-2] * momenta,
-        (
-            picked[-1]
-            if len(velocities.shape) == len(weight.shape)
-            else adam_math.per_row(picked[-1], velocities)
-        )
-        * velocities,
-    )
+    decay_2 = picked[-1]
+    if len(velocities.shape) < len(weight.shape):
+        decay_2 = adam_math.per_row(decay_2, velocities)
+    return new_weight, picked[-2] * momenta, decay_2 * velocities
 
 
 def swept_rows(step, rows: int, options):
@@ -202,15 +184,8 @@ def read_rows(tables, ids, step, window, options):
     def flat(x):
         return ops.reshape(x, (-1,) + tuple(x.shape[len(ids.shape) :]))
 
-    result = caught_up(
-        ops.cast(flat(weight), "float32"),
-        ops.cast(flat(momenta), "float32"),
-        ops.cast(flat(velocities), "float32"),
-        flat(row_steps),
-        step,
-        window,
-        options,
-    )[0]
+    rows = (ops.cast(flat(x), "float32") for x in (weight, momenta, velocities))
+    result = caught_up(*rows, flat(row_steps), step, window, options)[0]
     return ops.cast(ops.reshape(result, shape), weight.dtype)
 
 
@@ -222,31 +197,14 @@ def read_ids(ids, step, rows: int, options):
     return ops.concatenate([swept, flat], axis=0)
 
 
-def looked_up(
-    tables, ids, every, group, step, window, options, *, gather=None, distinct=None, slot=None
-):
+def looked_up(tables, ids, group, distinct, slot, step, window, options):
     """The forward pass of a training lookup: `(rows, residuals)`, the weights at `ids` as ordinary Adam has
-    them at `step`, and what `stepped_rows` takes.
-
-    `every` is `read_ids(ids, ...)`, the lookup's ids with this step's swept rows, and `group` numbers them
-    from 0 (`sparse_rows.id_ranks`, or the backend's own grouping). Each distinct row is gathered
-    (`gather(table, ids)`, the backend's) from `tables` (`(weight, momenta, velocities, row_steps)`) and
-    caught up once; the backward pass steps those rows. A backend whose grouping has the distinct ids passes
-    them as `distinct`: one per group in the order of `group`, or with `slot` as `sparse_rows.distinct_ids`
-    returns them; one that has gathered their rows itself passes those rows as `tables`, without `gather`.
-    """
-    if distinct is None:
-        distinct, slot = sparse_rows.distinct_ids(every, group)
-    if gather is not None:
-        tables = tuple(gather(t, distinct) for t in tables)
+    them at `step`, and what `stepped_rows` takes. `tables` are the rows `distinct` (`sparse_rows.distinct_ids`
+    of `read_ids(ids, ...)` numbered by `group`; `slot` None: one per group) of `(weight, momenta, velocities,
+    row_steps)`, each caught up once."""
     weight, momenta, velocities, row_steps = tables
-    rows = caught_up(
-        *(ops.cast(x, "float32") for x in (weight, momenta, velocities)),
-        row_steps,
-        step,
-        window,
-        options,
-    )
+    rows = (ops.cast(x, "float32") for x in (weight, momenta, velocities))
+    rows = caught_up(*rows, row_steps, step, window, options)
     # The lookup's ids are the last of `every` (`read_ids`).
     found = ops.take(rows[0], group[ops.shape(group)[0] - ops.size(ids) :], axis=0)
     found = ops.cast(ops.reshape(found, ops.shape(ids) + tuple(weight.shape[1:])), weight.dtype)

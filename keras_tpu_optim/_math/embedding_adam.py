@@ -53,13 +53,6 @@ class RowUpdateOptions:
             ("row_steps",) if self.bias_correction == "per_row" else ()
         )
 
-    @property
-    def slot_names(self) -> tuple:
-        """Every slot row the row paths gather: `adam_slot_names`, then the lazy EMA's."""
-        return self.adam_slot_names + (
-            ("average_steps", "average") if self.ema_momentum is not None else ()
-        )
-
 
 # The options a compiled row update takes as arguments (`options_math`). The betas stay static: the
 # per-row bias correction takes their logarithms in float64.
@@ -266,15 +259,8 @@ def update_rows_in_float32(
     `options.slot_names`'. The table and its moments are stored as `stored` says (`step`,
     `variable_index`, `ids`: its key)."""
     adam_extra = extra_slots[: len(options.adam_slot_names) - 2]
-    new_values = row_update(
-        ops.cast(grad, "float32"),
-        ops.cast(weight, "float32"),
-        ops.cast(momenta, "float32"),
-        ops.cast(velocities, "float32"),
-        learning_rate,
-        options,
-        *adam_extra,
-    )
+    rows = (ops.cast(x, "float32") for x in (grad, weight, momenta, velocities))
+    new_values = row_update(*rows, learning_rate, options, *adam_extra)
     old = (weight, momenta, velocities, *adam_extra)
     new_values = stored(
         new_values,
@@ -287,14 +273,9 @@ def update_rows_in_float32(
     if options.ema_momentum is None:
         return new_values
     average_steps, average = extra_slots[len(adam_extra) :]
-    new_average, new_steps = ema_rows(
-        ops.cast(weight, "float32"),
-        ops.cast(new_values[0], "float32"),  # the stored new weights, as Keras's EMA reads them
-        ops.cast(average, "float32"),
-        average_steps,
-        ema_step,
-        options,
-    )
+    # The stored new weights, as Keras's EMA reads them.
+    rows = (ops.cast(x, "float32") for x in (weight, new_values[0], average))
+    new_average, new_steps = ema_rows(*rows, average_steps, ema_step, options)
     return new_values + (new_steps, ops.cast(new_average, average.dtype))
 
 
@@ -313,3 +294,19 @@ class RowUpdate:
     def __call__(self, grad, weight, *slots, ids=None):
         """The new rows `ids` (None: every row, in order) of the table and its slots."""
         return update_rows_in_float32(grad, weight, *slots, **vars(self), ids=ids)
+
+    def split(self) -> tuple:
+        """`(structure, arguments)`: the options' structure (`split_options`) and this update's numbers as
+        tensors, the arguments of a compiled update, which `joined` puts back together."""
+        structure, values = split_options(self.options)
+        numbers = {name: ops.convert_to_tensor(value, "float32") for name, value in values.items()}
+        ema_step = None if self.ema_step is None else ops.convert_to_tensor(self.ema_step)
+        key = tuple(
+            ops.cast(0 if x is None else x, "int32") for x in (self.step, self.variable_index)
+        )
+        return structure, (ops.convert_to_tensor(self.learning_rate), ema_step, numbers, key)
+
+    @classmethod
+    def joined(cls, structure, arguments) -> RowUpdate:
+        learning_rate, ema_step, numbers, key = arguments
+        return cls(learning_rate, joined_options(structure, numbers), ema_step, *key)

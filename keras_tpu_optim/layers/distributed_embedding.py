@@ -293,14 +293,9 @@ class DistributedEmbedding(keras.layers.Layer):
             grouping.members.append([(table, o) for _, table, o in members])
             grouping.groups.append(self._tracker.track(group))
             grouping.rows.append(offset)
-        for g in range(len(grouping.groups)):
-            grouping.features.append(
-                [
-                    i
-                    for i, f in enumerate(self._features)
-                    if grouping.placement[f.table.name][0] == g
-                ]
-            )
+        grouping.features = [[] for _ in grouping.groups]
+        for i, feature in enumerate(self._features):
+            grouping.features[grouping.placement[feature.table.name][0]].append(i)
 
     def _checked_tables(self):
         """The distinct tables of the features, in order of first use, each checked."""

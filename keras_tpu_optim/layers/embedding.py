@@ -222,10 +222,9 @@ class Embedding(keras.layers.Embedding):
             self.row_steps = self._add_row_state("row_steps", rows, in_gradients)
         if terms:
             window = catch_up_math.window_size(self.input_dim, self.output_dim, terms)
-            plan = catch_up_math.plan(*self._catch_up_key(), window)
-            self.catch_up_sums = self.add_weight(  # (`catch_up_math.initial_window`)
+            self.catch_up_sums = self.add_weight(  # every row current: `log E = 0`, `C = 0`
                 shape=(terms + 1, window + 1),
-                initializer=lambda shape, dtype: catch_up_math.initial_window(plan),
+                initializer="zeros",
                 name="catch_up_sums",
                 dtype="float32",
                 **state,
@@ -256,16 +255,13 @@ class Embedding(keras.layers.Embedding):
         variable.overwrite_with_gradient = in_gradients
         return variable
 
-    def _catch_up_key(self):
-        optimizer = self._table_optimizer
-        return (optimizer.beta_1, optimizer.beta_2, optimizer.sum_inside_sqrt)
-
     def _catch_up_terms(self):
         """The catch-up's number of series terms with `lazy_adam=False` (`_math.catch_up`), or None: lazy,
         or betas for which no short series reaches float32 accuracy (then every row steps every step)."""
-        if self._table_optimizer.lazy_adam:
+        o = self._table_optimizer
+        if o.lazy_adam:
             return None
-        found = catch_up_math.series(*self._catch_up_key())
+        found = catch_up_math.series(o.beta_1, o.beta_2, o.sum_inside_sqrt)
         return found and found[0]
 
     def _row_state(self):
@@ -428,9 +424,7 @@ class Embedding(keras.layers.Embedding):
         after assigning every row caught-up values (`row_steps` at `iterations`), as `catch_up` and loading do:
         the old sums are read no more. Without `lazy_adam=False` there is nothing to do."""
         if self.catch_up_sums is not None:
-            window = self.catch_up_sums.shape[1] - 1
-            plan = catch_up_math.plan(*self._catch_up_key(), window)
-            self.catch_up_sums.assign(catch_up_math.initial_window(plan))
+            self.catch_up_sums.assign(ops.zeros(self.catch_up_sums.shape))
 
     def _check_one_lookup_per_step(self):
         """Raise if the layer looks up twice in one traced step, told by the trace of `iterations` (torch

@@ -204,22 +204,11 @@ def embedding_adam_step(
         if concrete(entries[0]):
             entries = sparse_rows.padded(*entries)
     else:
-        path = ("dense", min(num_rows, max_touched_rows or rows.default_capacity(num_rows)))
+        path = ("dense", min(num_rows, max_touched_rows or 4096))
         entries = (gradient,)
     targets = (variable, *slots)
-    structure, values = adam_math.split_options(update_rows.options)
-    ema_step = update_rows.ema_step
-    new_values = _row_update(path, structure)(
-        entries,
-        tuple(t.value for t in targets),
-        ops.convert_to_tensor(update_rows.learning_rate),
-        None if ema_step is None else ops.convert_to_tensor(ema_step),
-        {name: ops.convert_to_tensor(value, "float32") for name, value in values.items()},
-        tuple(
-            ops.cast(0 if x is None else x, "int32")
-            for x in (update_rows.step, update_rows.variable_index)
-        ),
-    )
+    structure, arguments = update_rows.split()
+    new_values = _row_update(path, structure)(entries, tuple(t.value for t in targets), arguments)
     for target, value in zip(targets, new_values):
         target.assign(value)
 
@@ -235,10 +224,8 @@ def _row_update(path, structure):
     """
     kind, static = path
 
-    def row_values(entries, tables, learning_rate, ema_step, values, key):
-        update_rows = adam_math.RowUpdate(
-            learning_rate, adam_math.joined_options(structure, values), ema_step, *key
-        )
+    def row_values(entries, tables, arguments):
+        update_rows = adam_math.RowUpdate.joined(structure, arguments)
         if kind == "dense":
             return rows.lazy_row_update(update_rows, *entries, tables, capacity=static)
         return rows.sparse_row_update(update_rows, *entries, tables, accumulate_duplicates=static)
@@ -253,21 +240,13 @@ class _Lookup(neutral.LookupEvaluation):
 
     def hook(self, forward, backward, ids, step, learning_rate, state, window, cache, name):
         @jax.custom_vjp
-        def lookup(ids, step, learning_rate, window, *tables):
-            return forward(ids, step, learning_rate, tables, window)[0], jax.numpy.zeros(
-                (), "float32"
-            )
+        def lookup(*arguments):
+            return saving(*arguments)[0]
 
         def saving(ids, step, learning_rate, window, *tables):
             found, residuals = forward(ids, step, learning_rate, tables, window)
-            return (found, jax.numpy.zeros((), "float32")), (
-                residuals,
-                ids,
-                step,
-                learning_rate,
-                window,
-                tables,
-            )
+            saved = (residuals, ids, step, learning_rate, window, tables)
+            return (found, jax.numpy.zeros((), "float32")), saved
 
         def stepping(saved, cotangents):
             residuals, ids, step, learning_rate, window, tables = saved

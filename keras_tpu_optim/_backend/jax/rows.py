@@ -59,10 +59,6 @@ def clear_through(words, position):
     )
 
 
-def default_capacity(num_rows: int) -> int:
-    return min(num_rows, 4096)
-
-
 def lazy_row_update(update_rows, gradient, tables, *, capacity):
     """The tables (the table's and its slots' values) after updating the rows of a dense `gradient` with a
     non-zero entry by `update_rows`, `capacity` rows a round; untouched rows keep their bits."""

@@ -31,6 +31,7 @@ unstacked = neutral.unstacked
 apply_if = neutral.apply_if  # tf.cond runs only the branch taken: sparse updates stay sparse.
 
 
+@contextlib.contextmanager
 def state_creation_scope():
     """Out of any function being traced (`tf.init_scope`): the state created eagerly, not lifted.
 
@@ -40,12 +41,8 @@ def state_creation_scope():
     `tf.distribute` strategy the state is created where the strategy says.
     """
     if tf.executing_eagerly() or tf.distribute.has_strategy():
-        return contextlib.nullcontext()
-    return _created_eagerly()
-
-
-@contextlib.contextmanager
-def _created_eagerly():
+        yield
+        return
     with tf.init_scope(), tf.variable_creator_scope(_not_lifted):
         yield
 
@@ -164,12 +161,12 @@ class _Lookup(neutral.LookupEvaluation):
             )
         return super().unless_nonfinite(finite, write, ids, targets, every_row)
 
-    def grouped(self, every, table, cache):
+    def grouped(self, every):
         if compiling_helps():
             group = tf.unique(every, out_idx=tf.int32).idx
         else:  # Inside XLA: ranked by a sort (XLA's binary search compares every pair).
             group = sparse_rows.id_ranks(every, False)
-        return (every, group, *sparse_rows.distinct_ids(every, group))
+        return (group, *sparse_rows.distinct_ids(every, group))
 
     def gather(self, table, ids):
         return tf.gather(table, ids)

@@ -29,17 +29,10 @@ def checked_gradient(gradient, variable, mismatch):
     """
     sparse = isinstance(gradient, tf.IndexedSlices)
     indices, values = sparse_entries(gradient) if sparse else (None, tf.convert_to_tensor(gradient))
-    start = (
-        1 if sparse else 0
-    )  # An IndexedSlices' values have one row per index; the rest must match.
+    start = 1 if sparse else 0  # an IndexedSlices' values: one row per index, the rest must match
     want = tf.TensorShape(variable.shape[start:])
     have = values.shape[start:] if values.shape.rank is not None else None
-    if (
-        have is not None
-        and have.rank != want.rank
-        or have is not None
-        and not have.is_compatible_with(want)
-    ):
+    if have is not None and not have.is_compatible_with(want):
         raise ValueError(mismatch(_described(variable, have, sparse)))
     if have is not None and have.is_fully_defined():
         return gradient

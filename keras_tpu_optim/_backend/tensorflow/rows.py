@@ -19,11 +19,6 @@ from keras_tpu_optim._backend.tensorflow.gradients import in_table, sparse_entri
 from keras_tpu_optim._math import embedding_adam as adam_math
 
 
-def touched_rows(gradient):
-    """Indices of the rows of a dense gradient with any non-zero (or NaN) entry (`touched_row_mask`)."""
-    return tf.cast(tf.where(adam_math.touched_row_mask(gradient))[:, 0], tf.int32)
-
-
 def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplicates):
     """Update only the rows present in `gradient` by `update_rows` (an `adam_math.RowUpdate`); duplicate ids
     summed (`accumulate_duplicates`) or the last occurrence kept. Untouched rows keep their bits."""
@@ -32,8 +27,10 @@ def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplic
         entries = in_table(*sparse_entries(gradient), tf.shape(targets[0])[0])
         sparse_row_update(update_rows, *entries, targets, accumulate_duplicates)
         return
-    ids = touched_rows(gradient)
-    _update_in_place(update_rows, ids, tf.gather(gradient, ids), targets)
+    ids = tf.cast(tf.where(adam_math.touched_row_mask(gradient))[:, 0], tf.int32)
+    new_rows = update_rows(tf.gather(gradient, ids), *(tf.gather(t, ids) for t in targets), ids=ids)
+    for target, new in zip(targets, new_rows):
+        _scatter(target, ids, new)
 
 
 def sparse_row_update(update_rows, indices, values, targets, accumulate_duplicates, group=None):
@@ -47,13 +44,6 @@ def sparse_row_update(update_rows, indices, values, targets, accumulate_duplicat
         accumulate_duplicates=accumulate_duplicates,
         **options,
     )
-
-
-def _update_in_place(update_rows, ids, grad_rows, targets):
-    """Gather the rows `ids` (distinct) of `targets`, update them, scatter them back."""
-    new_rows = update_rows(grad_rows, *(tf.gather(t, ids) for t in targets), ids=ids)
-    for target, new in zip(targets, new_rows):
-        _scatter(target, ids, new)
 
 
 def _scatter(target, ids, rows):
@@ -89,25 +79,18 @@ def compiled_lazy_row_update(
     group, gather and scatter the rows and the computation computes the new
     rows alone.
     """
-    structure, option_values = adam_math.split_options(update_rows.options)
+    structure, arguments = update_rows.split()
     targets = [native_variable(variable)] + [native_variable(s) for s in slots]
     indices, values = in_table(*sparse_entries(gradient), tf.shape(targets[0])[0])
     if tf.executing_eagerly():
         indices, values = sparse_rows.padded(indices, values)
     # The ids numbered by TF's hash, outside XLA: a fraction of the cost of XLA's sort.
     _, group = tf.unique(indices)
-    ema_step = update_rows.ema_step
-    arguments = (
-        tf.convert_to_tensor(update_rows.learning_rate),
-        None if ema_step is None else tf.convert_to_tensor(ema_step),
-        {name: tf.constant(value, tf.float32) for name, value in option_values.items()},
-        _rounding_key(update_rows),
-    )
     if by_kernels:
         compute = compiled_function(
             cache, ("row_values", structure), lambda: _compilable_rows(structure)
         )
-        update_rows = lambda grad_rows, *rows, ids: compute(grad_rows, rows, ids, *arguments)
+        update_rows = lambda grad_rows, *rows, ids: compute(grad_rows, rows, ids, arguments)
         sparse_row_update(update_rows, indices, values, targets, accumulate_duplicates, group)
         return
     update = compiled_function(
@@ -115,30 +98,19 @@ def compiled_lazy_row_update(
         ("lazy_row_update", structure, accumulate_duplicates),
         lambda: _compilable_update(structure, accumulate_duplicates),
     )
-    update(indices, group, values, arguments[0], targets, *arguments[1:])
-
-
-def _rounding_key(update_rows):
-    """The row update's `(step, variable_index)` as int32 tensors (arguments of a compiled update)."""
-    return tuple(
-        tf.cast(0 if x is None else x, tf.int32)
-        for x in (update_rows.step, update_rows.variable_index)
-    )
+    update(indices, group, values, targets, arguments)
 
 
 def _compilable_update(structure, accumulate_duplicates):
-    def row_step(indices, group, values, learning_rate, targets, ema_step, option_values, key):
-        options = adam_math.joined_options(structure, option_values)
-        update_rows = adam_math.RowUpdate(learning_rate, options, ema_step, *key)
+    def row_step(indices, group, values, targets, arguments):
+        update_rows = adam_math.RowUpdate.joined(structure, arguments)
         sparse_row_update(update_rows, indices, values, targets, accumulate_duplicates, group)
 
     return row_step
 
 
 def _compilable_rows(structure):
-    def row_values(grad_rows, rows, ids, learning_rate, ema_step, option_values, key):
-        options = adam_math.joined_options(structure, option_values)
-        update_rows = adam_math.RowUpdate(learning_rate, options, ema_step, *key)
-        return update_rows(grad_rows, *rows, ids=ids)
+    def row_values(grad_rows, rows, ids, arguments):
+        return adam_math.RowUpdate.joined(structure, arguments)(grad_rows, *rows, ids=ids)
 
     return row_values

@@ -11,7 +11,6 @@ from keras import ops
 from keras_tpu_optim import _private
 from keras_tpu_optim._backend import neutral
 from keras_tpu_optim._backend.torch import adafactor, rows
-from keras_tpu_optim._backend.torch.rows import Scratch
 from keras_tpu_optim._math import adafactor as adafactor_math
 
 
@@ -53,15 +52,15 @@ def blocked_adafactor_applies(platform: str) -> bool:
     return platform == "cpu"
 
 
-def scratch_of(cache) -> Scratch:
+def scratch_of(cache) -> rows.Scratch:
     """The scratch of an optimizer's (or `layers.Embedding`'s) row steps, kept in its `cache`."""
     if torch.compiler.is_compiling():
         # A fresh one, not the cache's: its buffers are the compiled graph's own temporaries, and the
         # graph reads no cache whose filling would make it recompile.
-        return Scratch()
+        return rows.Scratch()
     scratch = cache.get("scratch")
     if scratch is None:
-        scratch = cache["scratch"] = Scratch()
+        scratch = cache["scratch"] = rows.Scratch()
     return scratch
 
 
@@ -153,13 +152,8 @@ def _group_plan(cache, variables, states, indices, platforms, options) -> tuple:
     optimizer (an int32 tensor), its factored axes. Computed once per list of variables (kept in `cache`)."""
     key = tuple(indices)
     plans = {} if torch.compiler.is_compiling() else cache.setdefault("plans", {})
-    plan = plans.get(key)  # traced once when compiling: no cache to guard on
-    if plan is None:
-        plan = plans[key] = _new_group_plan(variables, states, key, platforms, options)
-    return plan
-
-
-def _new_group_plan(variables, states, key, platforms, options) -> tuple:
+    if key in plans:  # traced once when compiling: no cache to guard on
+        return plans[key]
     alone, groups = [], {}
     for position, (variable, state) in enumerate(zip(variables, states)):
         if variable.value.dtype not in _GROUPED_DTYPES or not grouped_adafactor_applies(
@@ -179,6 +173,7 @@ def _new_group_plan(variables, states, key, platforms, options) -> tuple:
                 [key[p] for p in chunk], dtype=torch.int32, device=group[2]
             )
             chunks.append((chunk, group_indices, group[3]))
+    plans[key] = alone, chunks
     return alone, chunks
 
 
@@ -232,9 +227,9 @@ class _Lookup(neutral.LookupEvaluation):
 
         return _TrainedLookup.apply(ids, step, state[0].value, backward_step, read)
 
-    def grouped(self, every, table, cache):
+    def grouped(self, every):
         distinct, group = torch.unique(every, return_inverse=True)
-        return every, group, distinct, None
+        return group, distinct, None
 
     def gather(self, table, ids):
         return table.index_select(0, ids.long())

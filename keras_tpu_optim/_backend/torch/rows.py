@@ -46,7 +46,7 @@ def in_table(indices, values, num_rows):
     return indices[kept], values[kept]
 
 
-def unique_rows(indices, values, accumulate_duplicates, scratch=None):
+def unique_rows(indices, values, accumulate_duplicates, scratch):
     """`(ids, rows)`: the distinct ids of a sparse gradient's entries and their rows, duplicates summed
     (`accumulate_duplicates`) or the last occurrence's kept; `rows` may be a `scratch` buffer."""
     ids, position = torch.unique(indices, return_inverse=True)
@@ -54,18 +54,13 @@ def unique_rows(indices, values, accumulate_duplicates, scratch=None):
     # Duplicates summed in float32, the row update's precision, whatever the gradient's dtype (as
     # `sparse_rows.grouped_rows` sums them).
     dtype = torch.float32 if accumulate_duplicates else values.dtype
-    out = scratch and scratch.empty(shape, GRADIENT_SLOT, dtype, values.device)
+    out = scratch.empty(shape, GRADIENT_SLOT, dtype, values.device)
     if accumulate_duplicates:
-        rows = torch.zeros(shape, dtype=dtype, device=values.device) if out is None else out.zero_()
-        rows.index_add_(0, position, values.to(dtype))
+        rows = out.zero_().index_add_(0, position, values.to(dtype))
     else:
         occurrence = torch.arange(indices.shape[0], device=indices.device)
         last = torch.full_like(ids, -1).scatter_reduce(0, position, occurrence, reduce="amax")
-        rows = (
-            torch.index_select(values, 0, last, out=out)
-            if out is not None
-            else values.index_select(0, last)
-        )
+        rows = torch.index_select(values, 0, last, out=out)
     return ids, rows
 
 
@@ -76,7 +71,7 @@ _UNDERFLOW_SCALE = 2.0**100
 _CPU_CHUNK_ELEMENTS = 1 << 20
 
 
-def touched_rows(gradient, scratch=None):
+def touched_rows(gradient, scratch):
     """Rows with any non-zero (or NaN) entry: `_math.embedding_adam.touched_row_mask`'s rule.
 
     On CPU a non-zero L2 norm of the rows scaled by `_UNDERFLOW_SCALE`, a chunk
@@ -87,28 +82,15 @@ def touched_rows(gradient, scratch=None):
     if gradient.dim() == 1:
         return torch.nonzero(gradient).squeeze(1)
     rows = gradient.reshape(gradient.shape[0], -1)
-    norms = (
-        None
-        if scratch is None
-        else scratch.empty((rows.shape[0],), NORMS_SLOT, torch.float32, rows.device)
-    )
+    norms = scratch.empty((rows.shape[0],), NORMS_SLOT, torch.float32, rows.device)
     if not scaled_norms_apply(rows.device.type):
         norms = torch.linalg.vector_norm(rows, ord=1, dim=1, dtype=torch.float32, out=norms)
         return torch.nonzero(norms).squeeze(1)
-    if norms is None:
-        norms = torch.empty((rows.shape[0],), dtype=torch.float32, device=rows.device)
     step = max(1, _CPU_CHUNK_ELEMENTS // max(1, rows.shape[1]))
     for start in range(0, rows.shape[0], step):
         chunk = rows[start : start + step]
-        scaled = (
-            torch.mul(chunk, _UNDERFLOW_SCALE)
-            if scratch is None
-            else torch.mul(
-                chunk,
-                _UNDERFLOW_SCALE,
-                out=scratch.empty(tuple(chunk.shape), SCALED_SLOT, chunk.dtype, chunk.device),
-            )
-        )
+        scaled = scratch.empty(tuple(chunk.shape), SCALED_SLOT, chunk.dtype, chunk.device)
+        torch.mul(chunk, _UNDERFLOW_SCALE, out=scaled)
         torch.linalg.vector_norm(
             scaled, dim=1, dtype=torch.float32, out=norms[start : start + step]
         )
@@ -121,7 +103,7 @@ def scaled_norms_apply(device_type: str) -> bool:
 
 
 @torch.no_grad()
-def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplicates, scratch=None):
+def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplicates, scratch):
     """Update only the rows present in `gradient` (sparse COO indices, or a dense gradient's non-zero rows) by
     `update_rows` (an `adam_math.RowUpdate`); duplicate ids summed (`accumulate_duplicates`) or the last kept."""
     if gradient.is_sparse:
@@ -133,16 +115,8 @@ def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplic
     else:
         ids = touched_rows(gradient, scratch)
         shape = (ids.shape[0],) + tuple(gradient.shape[1:])
-        out = (
-            None
-            if scratch is None
-            else scratch.empty(shape, GRADIENT_SLOT, gradient.dtype, gradient.device)
-        )
-        grad_rows = (
-            torch.index_select(gradient, 0, ids, out=out)
-            if out is not None
-            else gradient.index_select(0, ids)
-        )
+        out = scratch.empty(shape, GRADIENT_SLOT, gradient.dtype, gradient.device)
+        grad_rows = torch.index_select(gradient, 0, ids, out=out)
     update_in_place(
         update_rows, ids, grad_rows, [variable.value] + [s.value for s in slots], scratch
     )
@@ -163,11 +137,8 @@ GRADIENT_SLOT, NORMS_SLOT, SCALED_SLOT = 0, 3, 4
 GATHER_SLOTS = 10
 
 
-def update_in_place(update_rows, ids, grad_rows, targets, scratch=None):
-    """Gather the rows `ids` (unique) of the tensors `targets`, update them (`update_rows`), copy them back.
-
-    The gathered rows live in `scratch`'s buffers where one is given.
-    """
+def update_in_place(update_rows, ids, grad_rows, targets, scratch):
+    """Gather the rows `ids` (unique) of `targets` into `scratch`, update them, copy them back."""
     gathered = [_gather(t, ids, scratch, GATHER_SLOTS + i) for i, t in enumerate(targets)]
     for target, rows in zip(targets, update_rows(grad_rows, *gathered, ids=ids)):
         target.index_copy_(0, ids, rows)
@@ -175,8 +146,6 @@ def update_in_place(update_rows, ids, grad_rows, targets, scratch=None):
 
 def _gather(target, ids, scratch, slot):
     shape = (ids.shape[0],) + tuple(target.shape[1:])
-    if scratch is None:
-        return target.index_select(0, ids)
     return torch.index_select(
         target, 0, ids, out=scratch.empty(shape, slot, target.dtype, target.device)
     )
