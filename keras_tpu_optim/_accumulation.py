@@ -1,16 +1,5 @@
-"""Keras's `gradient_accumulation_steps` step (`BaseOptimizer._backend_apply_gradients`'s numbers), where
-ours must differ from Keras's own:
-
-- A table of EmbeddingAdam's lazy steps (`_accumulates_rows`) has an int32 `(rows,)` `window` slot: a
-  sparse gradient adds its rows into the accumulator and marks them with the number of the update the
-  window ends in (nothing is ever cleared), and the update step gathers, averages, updates and zeroes
-  only those rows. Keras's dense accumulator would cost O(table) a micro-step.
-- Where Keras's step would compile both branches of its `cond`s at every eager call (JAX), only the
-  branch taken runs.
-
-Without row operations (JAX) the accumulator stays dense and the window is kept marked, so that a
-checkpoint resumes on every backend.
-"""
+"""Keras's `gradient_accumulation_steps` step where ours must differ from Keras's: sparse rows accumulated
+in place, and on eager JAX only the branch taken (docs/algorithms.md#gradient-accumulation)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""The demo behind `python -m keras_tpu_optim`: what the package buys, in a couple of minutes.
-
-Part 1 trains a small LM with keras_tpu_optim.Adafactor, Keras's Adafactor and Adam; part 2 a
-recommender whose 1M-row table is trained in the lookup by EmbeddingAdam (global or per-row
-bias correction, or ordinary Adam with `lazy_adam=False`), by EmbeddingAdam(lazy_adam=False) as
-the model's optimizer, or by Keras's Adam. All data is
-synthetic; the summary goes to the terminal and a PNG figure.
-"""
+"""The demo behind `python -m keras_tpu_optim`: a small LM and a recommender trained with keras_tpu_optim
+and Keras's optimizers on synthetic data; a summary on the terminal and a PNG figure."""
 
 from __future__ import annotations
 

@@ -472,10 +472,8 @@ class EmbeddingAdam(OptimizerBase):
         )
 
     def _row_learning_rate(self, step, learning_rate=None):
-        """The row update's float32 rate for the update that follows `step` applied updates (also the rate the
-        TPU embedding engines are fed): the learning rate at `step` (or `learning_rate`, Keras's reading of
-        it), bias-corrected for `t = step + 1`; uncorrected with `bias_correction="per_row"`, where
-        `row_update` corrects each row by its own count."""
+        """The row update's float32 rate after `step` applied updates (also the TPU engines'): bias-corrected for
+        `t = step + 1`, uncorrected with `bias_correction="per_row"` (`learning_rate`: Keras's reading)."""
         if learning_rate is None:
             learning_rate = _private.learning_rate_at(self, step)
         learning_rate = ops.cast(learning_rate, "float32")

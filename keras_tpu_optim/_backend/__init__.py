@@ -1,11 +1,6 @@
 """The backend-specific code, one package per backend; `backend`, the active one, is picked by an import as
-Keras picks its backend optimizer.
-
-The optimizers hand it plain arguments (a variable, its state, the step's numbers); it never calls back
-into them. Each package provides the functions the package calls (`backend.<name>`, checked by
-tests/test_backend_interface.py; `neutral`: what runs where a backend has nothing of its own). Evaluations are chosen by a variable's platform
-(docs/algorithms.md#platform-specific-evaluation).
-"""
+Keras picks its backend optimizer. It takes plain arguments and never calls back into the optimizers;
+`neutral` runs where a backend has nothing of its own (tests/test_backend_interface.py)."""
 
 from __future__ import annotations
 

@@ -188,26 +188,12 @@ def trained_lookup(
     skip_nonfinite=False,
     skip_with_model=False,
 ):
-    """The rows of the table `state[0]` (then its slots) at `ids`, trained in the lookup's backward pass:
-    every backend's sequence, which `evaluation` (the backend's `LookupEvaluation`) hooks into autograd.
-    An id past the table (`sparse_rows.in_table`) reads the last row, which the caller masks (its gradient
-    is then zero), and trains nothing.
-
-    `learning_rate` and `options` are the row update's for this step (`adam_math.RowUpdate`); `cache` and
-    `name` the layer's. Without a catch-up `window`, the forward pass gathers the rows and the
-    backward pass steps the table and its slots with the lookup's gradient as EmbeddingAdam steps the
-    table's sparse gradient. With one (`_math.catch_up`), the forward pass reads the step's ids
-    (`read_ids`), gathers each distinct row once and catches it up; the backward pass steps those rows,
-    writes them and advances the window. The gradient of `iterations` is its next value. With
-    `skip_nonfinite`, a step whose row gradients hold a NaN or an Inf changes nothing: no row, slot or
-    window is written and `iterations` keeps its value; with `skip_with_model` (the model's optimizer skips
-    non-finite steps) its gradient is then NaN instead, so that the model's optimizer skips the step too
-    (and a `LossScaleOptimizer` lowers its scale).
-
-    Returns the rows and a zero for the caller to add to the loss: its gradient, which the hook hands to the
-    backward pass beside the rows', is the factor by which the loss was scaled (a `LossScaleOptimizer`'s
-    scale, `loss_scale_factor`), by which the rows' gradient is divided; 0 (a loss without it) reads as 1.
-    """
+    """The rows of the table `state[0]` (then its slots) at `ids` and a zero for the caller to add to the loss,
+    trained in the lookup's backward pass by `evaluation` (the backend's `LookupEvaluation`) with the row
+    update's `learning_rate` and `options`: as EmbeddingAdam steps a sparse gradient, or, with a catch-up
+    `window`, by `_math.catch_up`. The zero's gradient is the loss scale, which divides the rows' gradient;
+    the gradient of `iterations` is its next value (NaN for a skipped step with `skip_with_model`)
+    (docs/algorithms.md#tables-trained-in-the-lookup, #non-finite-steps-in-the-layers)."""
     ev = evaluation
     step = ev.read_step(iterations)
     # The key of stochastic rounding (the table's index is 0), read only where it rounds.

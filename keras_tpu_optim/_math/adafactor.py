@@ -1,14 +1,6 @@
-"""Adafactor's update, written once in `keras.ops` (docs/algorithms.md#adafactor).
-
-Names follow Shazeer & Stern (2018): `rho` the relative step size, `alpha` the
-absolute step size, `R`/`C` the row/column second-moment statistics.
-
-A step is two phases: `preconditioned` reads the whole variable and returns
-the new statistics and the factors that turn the gradient into the update;
-`update` is elementwise, so it applies to any part of the variable. Every sum
-goes through an `Evaluation`, which decides how it is computed, never what: a
-platform changes the evaluation, not the formula.
-"""
+"""Adafactor's update, written once in `keras.ops` (docs/algorithms.md#adafactor): `preconditioned` reads
+the whole variable, `elementwise_update` applies to any part of it; an `Evaluation` decides how each sum
+is computed, never what (docs/algorithms.md#platform-specific-evaluation)."""
 
 from __future__ import annotations
 
@@ -107,11 +99,8 @@ joined_options = options_math.joined_options
 
 
 class Evaluation:
-    """How the sums of a step are computed: the neutral form, whole arrays.
-
-    `batch_dims` leading axes (0 or 1) index stacked variables: a sum over
-    the variable (`axis=None`), and every per-variable scalar, is then `[k]`.
-    """
+    """How the sums of a step are computed: the neutral form, whole arrays; `batch_dims` leading axes (0 or 1)
+    index stacked variables, whose sums and scalars are then `[k]`."""
 
     batch_dims = 0
 
@@ -199,12 +188,8 @@ def preconditioned(
     evaluation=NEUTRAL,
     scalars=None,
 ) -> Preconditioned:
-    """The first phase of a step, on float32 `grad` and `param` (or anything `evaluation` sums like it).
-
-    `slots` is `(row, column)` for a variable factored over `factored_axes`
-    (None: its last two), `(v,)` otherwise; `step` is `iterations + 1`;
-    `scalars` the step's `step_scalars` where computed once for several steps.
-    """
+    """The first phase of a step on float32 `grad` and `param`: `slots` `(row, column)` factored over
+    `factored_axes` (None: the last two) or `(v,)`; `step` is `iterations + 1`, `scalars` its `step_scalars`."""
     o, ev = options, evaluation
     batch = ev.batch_dims
     ndim = len(grad.shape)
@@ -297,11 +282,8 @@ def rounding(options: AdafactorOptions, step, variable_index, shape, offset=0):
 def write_back(
     variable, delta, momentum, new_momentum, *, rounding, assign, assign_sub=None, value=None
 ):
-    """Store a step's results by the one rule every evaluation follows: the momentum (None: none) in its
-    slot's dtype; a float32 variable minus `delta` (in place by `assign_sub(variable, delta)` where given),
-    any other variable its float32 result rounded once by `rounding` (`subtracted`). `assign(target, x)`
-    stores `x`; `value()` reads the variable (default: `variable` is its value). A group's variables and
-    momenta, stepped as one stack, are lists of one dtype each."""
+    """Store a step's results: the momentum in its slot's dtype; a float32 variable minus `delta` (by `assign_sub`
+    where given), any other rounded once by `rounding`; a group's are lists of one dtype each."""
     if momentum is not None:
         assign(momentum, ops.cast(new_momentum, _dtype(momentum)))
     if assign_sub is not None and keras.backend.standardize_dtype(_dtype(variable)) == "float32":

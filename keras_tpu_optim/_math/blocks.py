@@ -35,11 +35,8 @@ def part(x, span, rows: int):
 
 
 class Blocked(adafactor_math.Evaluation):
-    """Adafactor's sums, `inner`'s on each block of the leading axis: added where they reduce that axis.
-
-    `after(previous)`: the context a block's sums are built in, given the previous block's (a backend's
-    ordering).
-    """
+    """Adafactor's sums, `inner`'s on each block of the leading axis, added where they reduce that axis;
+    `after(previous)`: the context a block's sums are built in (a backend's ordering)."""
 
     def __init__(
         self, shape, inner=adafactor_math.NEUTRAL, after=None, chunk_elements: int = CHUNK_ELEMENTS

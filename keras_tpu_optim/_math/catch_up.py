@@ -1,16 +1,5 @@
-"""Ordinary (non-lazy) Adam at the cost of the rows looked up (docs/algorithms.md#ordinary-adam-at-the-cost-of-the-rows-looked-up).
-
-A row not looked up in a step takes Adam's step with a zero gradient: its moments decay and its
-weight keeps moving. Here a row's skipped steps are applied in closed form when it is next read,
-from `row_steps` (the step each row is current at) and a window of sums shared by every row:
-
-    w <- E(d) w - m / (sqrt(v) + eps) * sum_n z^n C_n(d),   m <- beta_1^d m,   v <- beta_2^d v
-
-for a row `d` steps behind, `z = eps / (sqrt(v) + eps)` (`eps^2 / (v + eps^2)` and `1 / sqrt(v + eps^2)`
-with `sum_inside_sqrt`). `E(d)` is the weight decay of the last `d` steps and `C_n(d)` the sum over
-them of the series' `n`-th coefficient; both follow from one step to the next by a shift and a
-multiply-add. Rows are swept in turn so that none falls more than the window behind.
-"""
+"""Ordinary (non-lazy) Adam at the cost of the rows looked up: a row's skipped steps applied in closed form
+when it is next read (docs/algorithms.md#ordinary-adam-at-the-cost-of-the-rows-looked-up)."""
 
 from __future__ import annotations
 
@@ -32,11 +21,8 @@ _SERIES_TOLERANCE = 2.0**-26
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """The static part of the catch-up: the window (rows are never more than `window` steps behind), the
-    number of series terms, and float32 constants: `increments[n, d]` (row 0: zeros; row `1 + n`: the
-    `n`-th term's factor of a step taken `d` steps after the row's) and `powers[i, d] = beta_i^d`.
-
-    The window holds `log E(d)` in row 0 and `C_n(d)` in row `1 + n`, for `d` from 0 to `window`."""
+    """The static part of the catch-up: the window, the number of series terms, and float32 constants
+    `increments[1 + n, d]` (the `n`-th term's factor of a step `d` steps on) and `powers[i, d] = beta_i^d`."""
 
     window: int
     terms: int
@@ -47,11 +33,7 @@ class Plan:
 @functools.lru_cache(maxsize=None)
 def series(beta_1: float, beta_2: float, sum_inside_sqrt: bool):
     """`(terms, coefficients, base, ratio)`: the fewest series terms that reach float32 accuracy for every
-    `v`, or None when no number up to `_MAX_TERMS` does (then every row is stepped every step).
-
-    A step `j` after the row's contributes `ratio^j / (1 + z (base^j - 1))` (`(...)^(-1/2)` inside the
-    root) of `m / (sqrt(v) + eps)`; the truncation error, weighted by `ratio^j`, is checked on a grid of `z`.
-    """
+    `v`, or None when no number up to `_MAX_TERMS` does (then every row is stepped every step)."""
     if beta_2 == 0.0:
         return None
     ratio = beta_1 / math.sqrt(beta_2)
@@ -110,10 +92,8 @@ def options_plan(options) -> Plan:
 
 
 def advanced_window(window, learning_rate, step, options):
-    """The window after step `step + 1`: `log E(d) <- log E(d - 1) + log(1 - decay)`, `C_n(d) <-
-    (1 - decay) C_n(d - 1) + a c_n r^d (p^d - 1)^n`. The decay is kept as a sum of logarithms and
-    subtracted from the sums, as `row_update` subtracts it from a weight: a product of rounded
-    `1 - decay` factors would drift."""
+    """The window after step `step + 1`: shifted, its decay kept as a sum of logarithms and subtracted from the
+    sums, plus the step's terms (docs/algorithms.md#ordinary-adam-at-the-cost-of-the-rows-looked-up)."""
     plan_ = options_plan(options)
     # Step `step + 1`'s bias-corrected rate (`learning_rate` is uncorrected with per-row correction).
     rate = ops.cast(learning_rate, "float32")

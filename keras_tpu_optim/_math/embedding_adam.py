@@ -66,11 +66,8 @@ joined_options = options_math.joined_options
 
 
 def bias_corrected_learning_rate(learning_rate, step, beta_1: float, beta_2: float):
-    """`lr_t = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)`, t = iterations + 1; also the TPU export's rate.
-
-    `1 - beta^t` is `-expm1(t * log(beta))`, `log(beta)` in float64: in float32 `1 - 0.999**1` loses five
-    digits.
-    """
+    """`lr_t = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)`, t = iterations + 1 (also the TPU export's rate), with
+    `1 - beta^t` as `-expm1(t * log(beta))`, `log(beta)` in float64."""
     return learning_rate * ops.sqrt(_one_minus_power(beta_2, step)) / _one_minus_power(beta_1, step)
 
 
@@ -112,13 +109,8 @@ def denominator(velocities, options: RowUpdateOptions):
 def row_update(
     grad, weight, momenta, velocities, learning_rate, options: RowUpdateOptions, row_steps=None
 ):
-    """Adam on float32 rows `[rows, *row_shape]`, with TPU-embedding semantics: the updated
-    `(weight, momenta, velocities)`, then `row_steps` with `bias_correction="per_row"`.
-
-    `velocities` is `[rows]` with `second_moment="rowwise"`. `learning_rate` is `lr_t` with
-    `"global"` bias correction, else the uncorrected `lr`, each row corrected with its own
-    `c = row_steps + 1` (`row_steps`: `[rows]` int32).
-    """
+    """Adam on float32 rows `[rows, *row_shape]` with TPU-embedding semantics: the updated `(weight, momenta,
+    velocities)`, then `row_steps` with `bias_correction="per_row"` (docs/algorithms.md#row-update)."""
     o = options
     counted = o.bias_correction == "per_row"
     if counted:
@@ -184,11 +176,8 @@ def ema_rows(old_weight, new_weight, average, average_steps, ema_step, options: 
 
 
 def touched_row_mask(gradient):
-    """`(rows,)` booleans: the rows of a dense gradient with any non-zero (or NaN) entry, by every backend.
-
-    `sum(|g|) != 0`: it cannot underflow below its largest term and carries NaN, on every compiler; a max
-    may drop NaNs (TF's XLA fast min/max), a norm squares tiny entries to zero.
-    """
+    """`(rows,)` booleans: the rows of a dense gradient with any non-zero (or NaN) entry, as `sum(|g|) != 0`
+    (no underflow, carries NaN on every compiler), the rule of every backend."""
     if len(gradient.shape) == 1:
         return ops.not_equal(gradient, ops.zeros((), gradient.dtype))
     magnitudes = ops.sum(ops.abs(ops.reshape(gradient, (gradient.shape[0], -1))), axis=1)
@@ -201,12 +190,8 @@ def mark_touched(gradient, window, number):
 
 
 def stored(new_values, dtypes, *, ids, step, variable_index, options: RowUpdateOptions) -> tuple:
-    """The float32 rows `new_values` of the table and its Adam slots in their variables' `dtypes`: rounded
-    to nearest, or, with `options.stochastic_rounding` and a bfloat16/float16 dtype, stochastically, keyed
-    by the seed, the optimizer's `step`, `3 * variable_index + stream` (stream 0: the table, 1: `momenta`,
-    2: `velocities`) and each element's index in its variable (rows `ids`; None: every row, in order), so
-    that a row draws the same bits on every backend and path. Values of one shape and dtype are rounded
-    in one pass over their stack (each with its own key: the same bits as one by one)."""
+    """The float32 rows `new_values` in their variables' `dtypes`: rounded to nearest, or stochastically keyed
+    by the seed, `step`, `3 * variable_index + stream` and each element's index (docs/algorithms.md)."""
     out = list(new_values)
     groups = {}
     for stream, (new, dtype) in enumerate(zip(new_values, dtypes)):

@@ -1,8 +1,4 @@
-"""EmbeddingAdam's sparse row update and its helpers, in `keras.ops`: one rule each, for every backend.
-
-A sparse gradient's ids are grouped so that each touched row is read and written once; an eager step
-compiled for static shapes pads its entries to a bucket of lengths, one compilation for them all.
-"""
+"""EmbeddingAdam's sparse row update and its helpers (grouping, padding to buckets), for every backend."""
 
 from __future__ import annotations
 
@@ -24,11 +20,8 @@ def bucket(count):
 
 
 def padded(ids, *rows):
-    """`(ids, *rows)` padded to `bucket(len(ids))` entries: copies of the first id with zero rows, before them.
-
-    Added to that id's rows they change nothing, and are never its last occurrence; and no id is past the
-    table, which TF's kernels refuse.
-    """
+    """`(ids, *rows)` padded to `bucket(len(ids))` entries with copies of the first id and zero rows, before
+    them: they change nothing, are never an id's last occurrence, and name no row past the table."""
     count = ops.shape(ids)[0]
     padding = bucket(count) - count
     if isinstance(padding, int) and padding == 0:
@@ -46,10 +39,8 @@ def out_of_range(ids, num_rows):
 
 
 def in_table(ids, num_rows, outside=None):
-    """`ids` with every id outside `[0, num_rows)` (`outside`, where known) moved past the table, to
-    `num_rows`: the rule for ids out of range. Such an id trains nothing: gathers clip it and scatters
-    drop it (JAX, XLA), or it is removed first (TF's kernels, torch's indexing); a lookup reads it as a
-    zero row."""
+    """`ids` with every id outside `[0, num_rows)` (`outside`, where known) moved past the table, to `num_rows`:
+    such an id trains nothing (docs/algorithms.md#ids-out-of-range)."""
     outside = out_of_range(ids, num_rows) if outside is None else outside
     return ops.where(outside, num_rows, ids)
 
@@ -80,12 +71,8 @@ def distinct_ids(ids, group):
 
 
 def grouped_rows(ids, rows, accumulate_duplicates, group=None, search=True):
-    """The distinct ids, each with the sum of its duplicates' rows or its last occurrence's.
-
-    `group` numbers each entry's id from 0 (`tf.unique`, cheaper than a sort outside XLA; default:
-    `id_ranks(ids, search)`). Static shapes: the distinct ids first, then the last of them repeated
-    with its row, so that their scatters agree.
-    """
+    """The distinct ids, each with the sum of its duplicates' rows or its last occurrence's, static shapes:
+    distinct ids first, then the last repeated (`group`: each entry's id numbered from 0, or `id_ranks`)."""
     count = ops.shape(ids)[0]
     if isinstance(count, int) and count == 0:
         return ids, rows

@@ -1,11 +1,5 @@
-"""Stochastic rounding of float32 values to bfloat16/float16, identical bit for bit on every backend.
-
-Each element rounds up with probability `(x - lower) / (upper - lower)`, so the expected
-result is `x` (docs/algorithms.md#stochastic-rounding). The random bits are a counter-based
-hash of `(seed, step, variable index, element index)`: no random-number state to save.
-Integer `keras.ops` on int32 only, since torch lacks most uint32 arithmetic: products wrap
-around (the same bits as uint32) and right shifts mask off the sign-extended bits.
-"""
+"""Stochastic rounding of float32 values to bfloat16/float16, the same bits on every backend
+(docs/algorithms.md#stochastic-rounding): int32 `keras.ops` only, as torch lacks uint32 arithmetic."""
 
 from __future__ import annotations
 
@@ -55,11 +49,8 @@ def _mix_on_host(h: int) -> int:
 
 
 def random_bits(shape, seed, step, variable_index, offset=0, index=None):
-    """32 random bits per element (int32 of `shape`): a hash of `(seed, step, variable_index, element
-    index)`, the index row-major in `shape` plus `offset` (a block's start in a larger variable), or
-    `index` (int32, of `shape`: the elements' row-major indices in their variable, for rows gathered
-    from it). `variable_index` may hold several indices, shaped to broadcast against the elements' (bits
-    for each)."""
+    """32 random bits per element (int32 of `shape`): a hash of `(seed, step, variable_index, element index)`,
+    the index row-major plus `offset`, or `index`; `variable_index` may broadcast (bits for each)."""
     key = _int32(_mix_on_host(seed)) if isinstance(seed, int) else _mix(_int32(seed))
     key = _mix(ops.bitwise_xor(key, ops.add(_int32(step), _int32(_STEP_SALT))))
     key = _mix(ops.bitwise_xor(key, ops.add(_int32(variable_index), _int32(_VARIABLE_SALT))))
@@ -95,13 +86,8 @@ def row_elements(ids, shape):
 
 
 def stochastic_round(x, dtype, *, seed, step, variable_index, shape=None, offset=0, index=None):
-    """float32 `x` rounded stochastically and without bias to `dtype` (`bfloat16`, `float16`; others cast).
-
-    Infinities and NaN pass through. float16 subnormals are rounded on `|x| * 2^24`; float32 subnormal
-    inputs may differ in bits (some backends flush them). `shape`: `x`'s static shape if `x.shape` is
-    not fully known, or one value's where `x` stacks several, each keyed by its `variable_index` (then of
-    shape `(len(x), 1, ...)`); `offset`, `index`: as `random_bits`'.
-    """
+    """float32 `x` rounded stochastically and without bias to `dtype` (`bfloat16`, `float16`; others cast);
+    `shape`, `offset`, `index`: as `random_bits`' (`shape` one value's where `x` stacks several)."""
     dtype = keras.backend.standardize_dtype(dtype)
     if dtype not in ("bfloat16", "float16"):
         return ops.cast(x, dtype)

@@ -465,10 +465,8 @@ class DistributedEmbedding(keras.layers.Layer):
         return out
 
     def _stacked_ids(self, ids, present, tables, rank):
-        """`ids` (`(len(tables), *shape)`, table `i`'s ids at `i`) as rows of their group's stacked table. An
-        absent entry (`present` False) looks up the zero row after the tables, which nothing reads; an id out
-        of its table's range maps past the stacked table, never to another table's row (the group's layer
-        reads it as a zero row, trains nothing and counts it)."""
+        """`ids` (`(len(tables), *shape)`) as rows of their group's stacked table: an absent entry reads the zero
+        row after the tables, an id out of its table's range maps past the stacked table."""
         group, _ = self._grouping.placement[tables[0].name]
         sink = self._grouping.rows[group]
         per_table = (len(tables),) + (1,) * rank

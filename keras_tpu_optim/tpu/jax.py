@@ -1,9 +1,5 @@
-"""Export to JAX SparseCore (`jax_tpu_embedding`, and keras-rs's `DistributedEmbedding` on JAX).
-
-SparseCore traces a custom optimizer on `[1, dim]` float32 rows (hyperparameters too) in the
-order `(grad, table, *slots, *hyperparameters)`, expecting `(table, *slots)` back: ours is
-`EmbeddingAdam`'s `row_update`, the bias-corrected learning rate its only hyperparameter.
-"""
+"""Export to JAX SparseCore (`jax_tpu_embedding`): `EmbeddingAdam`'s `row_update` as a custom optimizer,
+the bias-corrected learning rate its only hyperparameter."""
 
 from __future__ import annotations
 

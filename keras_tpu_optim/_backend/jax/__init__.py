@@ -215,13 +215,8 @@ def embedding_adam_step(
 
 @functools.cache
 def _row_update(path, structure):
-    """The lazy row update of a path (`("dense", capacity)` or `("sparse", accumulate_duplicates)`), one `jax.jit`.
-
-    Traced, it is inlined into the caller's computation; eagerly it compiles
-    once per shape and options' structure (`adam_math.split_options`: the
-    numbers are arguments), where its loop and gathers traced op by op would
-    compile at every call; a BCOO's entries are padded to a bucket of lengths.
-    """
+    """The lazy row update of a path (`("dense", capacity)` or `("sparse", accumulate_duplicates)`), one
+    `jax.jit` per options' structure (inlined where traced)."""
     kind, static = path
 
     def row_values(entries, tables, arguments):

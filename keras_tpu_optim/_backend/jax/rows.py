@@ -1,15 +1,5 @@
-"""JAX: the touched rows of a table, from a dense or a BCOO gradient, with static shapes.
-
-A BCOO gradient's stored rows are updated as a `tf.IndexedSlices`' on TF
-(`sparse_rows.sparse_row_update`). A dense gradient's touched rows are kept
-as a bitmap, 32 rows to a word, and updated in rounds of a static capacity in
-a `lax.while_loop`: each round lists the next rows (a `nonzero` over the
-words, then over the bits of the words found: 1/32 of a `nonzero` over every
-row), gathers, updates and scatters them. The table and slots are loop
-state, updated in place under `jax.jit` with donated state (as Keras's
-trainer runs it): O(rows touched * dim + rows / 32) besides one read of the
-gradient.
-"""
+"""JAX: the touched rows of a table, from a BCOO gradient or from a dense one (a bitmap, updated in rounds of
+a static capacity in a `lax.while_loop`), with static shapes (docs/algorithms.md#row-update-paths)."""
 
 from __future__ import annotations
 
@@ -32,12 +22,7 @@ def pack_bits(mask):
 
 
 def first_set_bits(words, size, fill_value):
-    """The positions of the first `size` set bits of `words`, in order, padded with `fill_value`.
-
-    The same as `jnp.nonzero(unpacked, size=size, fill_value=fill_value)[0]`
-    on the unpacked bits: the first `size` set bits lie in the first `size`
-    non-zero words.
-    """
+    """The positions of the first `size` set bits of `words`, in order, padded with `fill_value`."""
     num_words = words.shape[0]
     word_size = min(size, num_words)
     (word_ids,) = jnp.nonzero(words != 0, size=word_size, fill_value=num_words)
@@ -83,11 +68,7 @@ def lazy_row_update(update_rows, gradient, tables, *, capacity):
 
 
 def row_entries(gradient):
-    """`(ids, rows)` of a BCOO gradient: one row id and one `[*row_shape]` row per stored entry.
-
-    A BCOO whose sparse dimensions go beyond the first (element-sparse) gets
-    its entries' rows densified, one row per entry (static shapes).
-    """
+    """`(ids, rows)` of a BCOO gradient, one row per stored entry (element-sparse ones densified per row)."""
     if gradient.n_batch != 0 or gradient.n_sparse != 1:
         gradient = jax_sparse.bcoo_update_layout(
             gradient, n_batch=0, n_dense=gradient.ndim - 1, on_inefficient=None

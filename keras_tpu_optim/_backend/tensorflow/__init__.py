@@ -33,13 +33,8 @@ apply_if = neutral.apply_if  # tf.cond runs only the branch taken: sparse update
 
 @contextlib.contextmanager
 def state_creation_scope():
-    """Out of any function being traced (`tf.init_scope`): the state created eagerly, not lifted.
-
-    Keras's TF trainer builds the optimizer while it traces the train step:
-    variables created there get initializer functions of their own, kept in
-    the process, and the step traces itself a second time. Under a
-    `tf.distribute` strategy the state is created where the strategy says.
-    """
+    """Out of any function being traced (`tf.init_scope`, no variable lifting): the state created eagerly
+    (docs/algorithms.md, end); under a `tf.distribute` strategy, where the strategy says."""
     if tf.executing_eagerly() or tf.distribute.has_strategy():
         yield
         return
@@ -107,10 +102,8 @@ def accumulation_rows():
 
 
 class _Lookup(neutral.LookupEvaluation):
-    """The backward pass writes the table, its slots and the window in place. Outside XLA the catch-up and its
-    step are each one XLA computation (op by op, every catch-up term is a kernel), while TF's own kernels
-    group the ids, gather the rows and scatter them (XLA's CPU sort, gathers and scatters are slower).
-    Under a mirrored strategy every replica steps the table with every replica's rows (`_replica_context`)."""
+    """The backward pass writes the table, its slots and the window in place; outside XLA the catch-up and its
+    step are each one XLA computation; under a mirrored strategy every replica steps every replica's rows."""
 
     def hook(self, forward, backward, ids, step, learning_rate, state, window, cache, name):
         replicas = _replica_context(name, window)

@@ -14,10 +14,7 @@ def native_variable(variable):
 
 
 def compiling_helps() -> bool:
-    """Whether compiling an update with XLA helps here: no XLA around it, no distribution strategy.
-
-    (Replica and mirrored variables stay on TF's own path.)
-    """
+    """Whether compiling an update with XLA helps here: no XLA around it, no distribution strategy."""
     return not tf.distribute.has_strategy() and not _private.tf_in_xla_context()
 
 
@@ -26,11 +23,8 @@ _eager: dict = {}
 
 
 def compiled_function(cache, key, make, *, xla: bool = True):
-    """`tf.function(make(), jit_compile=True, autograph=False)`, made once per `key` (which names all `make`
-    depends on) in `cache`, its optimizer's or layer's: a trace made in one model's train function must not
-    be called from another's. Eager
-    calls take every variable as an argument: one function per key serves every optimizer. With
-    `xla=False`, a graph function TF runs with its own kernels, never inlined."""
+    """`tf.function(make(), jit_compile=True, autograph=False)` made once per `key` in `cache` (the optimizer's
+    or layer's; eagerly one shared dict); with `xla=False`, a graph function run by TF's kernels, never inlined."""
     functions = _eager if tf.executing_eagerly() else cache
     key = (key, xla)
     function = functions.get(key)

@@ -1,8 +1,4 @@
-"""TensorFlow: the rows of `tf.IndexedSlices` gradients accumulated in place (`keras_tpu_optim._accumulation`).
-
-Scatter-adds, scatter-updates and gathers of the rows named, so a micro-step
-costs O(ids x dim) eagerly, in `tf.function` and under `jit_compile=True`.
-"""
+"""TensorFlow: the rows of `tf.IndexedSlices` gradients accumulated in place (`keras_tpu_optim._accumulation`)."""
 
 from __future__ import annotations
 
@@ -27,11 +23,8 @@ def sparse_entries(gradient):
 
 
 def add_to_window(accumulator, window, ids, values, number, *, cache):
-    """Add the rows `values` into `accumulator` at `ids` (duplicates add up) and mark them `number` in `window`.
-
-    Outside XLA, compiled with XLA, belonging to `cache` (TF's own scatter kernels take several
-    milliseconds on a large table; XLA's update it in place).
-    """
+    """Add the rows `values` into `accumulator` at `ids` and mark them `number` in `window`; outside XLA
+    compiled with XLA (TF's scatter kernels are slow on a large table)."""
     targets = [native_variable(accumulator), native_variable(window)]
     if compiling_helps():
         add = compiled_function(cache, "add_to_window", lambda: _add_to_window)
@@ -65,13 +58,8 @@ def window_count(window, number):
 
 
 def window_gradient(accumulator, window, number, steps, like, size, *, cache):
-    """The rows of the window (`window == number`) of `accumulator / steps`, as an IndexedSlices; those rows zeroed.
-
-    One scan of `window` lists the rows: outside XLA (`size` None) padded to a
-    bucket of lengths (`sparse_rows.padded`: a handful of compiled sizes), under
-    XLA of the static length `size`, padded with row `rows` (past the end: XLA
-    drops its scatters).
-    """
+    """The window's rows (`window == number`) of `accumulator / steps`, as an IndexedSlices; those rows zeroed.
+    Listed padded to a bucket outside XLA (`size` None), under XLA in `size` entries padded past the table."""
     targets = [native_variable(accumulator), native_variable(window)]
     if size is None:
         ids, real = _bucketed_window_rows(targets[1], number)

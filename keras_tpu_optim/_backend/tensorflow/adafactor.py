@@ -1,19 +1,5 @@
-"""Adafactor on TensorFlow: how its sums are evaluated on CPU, and where its step is compiled.
-
-On CPU, TF's XLA writes `x^2` to memory before reducing it, on one thread,
-but fuses a square into a (multithreaded) matrix-vector product and into
-additions: `CpuEvaluation` sums over the last axis as products with a vector
-of ones (or the weights), over the next-to-last after folding the rows onto
-an eighth of them.
-
-Without XLA (Keras's `fit` on a machine without an accelerator), TF's
-executor keeps every op's output until its last consumer has run and runs
-whatever is ready, so a whole step's full-size intermediates can be alive at
-once. There a float32 variable's sums are evaluated in blocks of its leading
-axis, one after the other (`blocks.Blocked`), and each variable's step after
-the previous one's (`after_previous_step`). Other dtypes and platforms have
-each variable's step compiled with XLA.
-"""
+"""Adafactor on TensorFlow: its CPU evaluations, and where a step runs compiled, inline or in blocks
+(docs/algorithms.md#platform-specific-evaluation, "Adafactor on TF in blocks")."""
 
 from __future__ import annotations
 
@@ -124,17 +110,8 @@ def adafactor_evaluation(platform: str) -> adafactor_math.Evaluation:
 
 
 def adafactor_step(gradient, variable, state, *, platform, cache, **numbers):
-    """One step, evaluated as measured for where it runs.
-
-    Under XLA (`jit_compile=True`), under a `tf.distribute` strategy (its
-    replica and mirrored variables stay on TF's own path) or in a stateless
-    scope: inline, with the platform's evaluation. Otherwise (Keras's TF
-    trainer without XLA, eager TF): a float32 variable on CPU in blocks,
-    without XLA (measured for memory); a variable on another platform, or of
-    another dtype, its step compiled on its own with XLA (for bfloat16
-    weights the blocks were slower than XLA, and with stochastic rounding,
-    whose integer hash XLA fuses, slower and larger).
-    """
+    """One step, evaluated as measured for where it runs (module docstring): inline under XLA, `tf.distribute`
+    or a stateless scope; else a float32 CPU variable in blocks without XLA, any other compiled with XLA."""
     gradient, evaluation = densify(gradient), adafactor_evaluation(platform)
     if _private.in_stateless_scope() or not compiling_helps():
         neutral.adafactor_step(
@@ -182,12 +159,8 @@ def assigning_step(
     evaluation=None,
     chunk_elements=blocks.CHUNK_ELEMENTS,
 ):
-    """One step of `tf.Variable`s through their assignments, the options `joined_options(structure,
-    option_values)` (the numbers are arguments: one trace serves every value); returns a tensor ready once
-    they are done, after which the caller orders the next variable's step.
-
-    `evaluation` None: the sums in blocks of `chunk_elements`, each after the previous one's.
-    """
+    """One step of `tf.Variable`s through their assignments (`evaluation` None: in blocks of `chunk_elements`);
+    returns a tensor ready once they are done."""
     if evaluation is None:
         evaluation = blocks.Blocked(
             tuple(variable.shape), GRAPH_CPU_EVALUATION, _after, chunk_elements
@@ -223,11 +196,8 @@ _last_step: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 @contextlib.contextmanager
 def after_previous_step():
-    """Order the ops built inside after the last step built in this graph; record this step's ops.
-
-    Yields a list; the step appends its final ops. Eager ops run in program
-    order already: a no-op there.
-    """
+    """Order the ops built inside after the last step built in this graph (eagerly a no-op); yields a list
+    for this step's final ops."""
     if tf.executing_eagerly():
         yield []
         return

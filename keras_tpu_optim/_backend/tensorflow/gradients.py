@@ -20,13 +20,8 @@ def gradient_values(gradient):
 
 
 def checked_gradient(gradient, variable, mismatch):
-    """`gradient` with the variable's static shape (an IndexedSlices: its values' rows), checked.
-
-    A traced gradient's static shape may be partly unknown (TF's gradient of
-    a reshaped matmul loses the leading dimension). A static difference raises
-    `ValueError(mismatch(shape))`; an unknown dimension is checked when the
-    function runs (under XLA, when it compiles).
-    """
+    """`gradient` with the variable's static shape (an IndexedSlices: its values' rows), checked: a static
+    difference raises `ValueError(mismatch(shape))`, an unknown dimension is checked when it runs."""
     sparse = isinstance(gradient, tf.IndexedSlices)
     indices, values = sparse_entries(gradient) if sparse else (None, tf.convert_to_tensor(gradient))
     start = 1 if sparse else 0  # an IndexedSlices' values: one row per index, the rest must match

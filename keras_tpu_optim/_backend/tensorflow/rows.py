@@ -1,9 +1,4 @@
-"""TensorFlow: the touched rows of a table, from `tf.IndexedSlices` or a dense gradient, updated in place.
-
-An `IndexedSlices` takes `sparse_rows.sparse_row_update`: inlined under XLA
-or inside a `tf.distribute` replica update, one XLA computation of its own
-elsewhere (`compiled_lazy_row_update`), never a chain of single TF kernels.
-"""
+"""TensorFlow: the touched rows of a table, from `tf.IndexedSlices` or a dense gradient, updated in place."""
 
 from __future__ import annotations
 
@@ -67,18 +62,9 @@ def scatters_by_kernels(variable, platform) -> bool:
 def compiled_lazy_row_update(
     cache, update_rows, gradient, variable, slots, *, accumulate_duplicates, by_kernels=False
 ):
-    """`sparse_row_update` of an IndexedSlices gradient outside XLA, as one XLA computation.
-
-    Without XLA every op of the row update is its own kernel. The shapes are
-    those of the gradient (one compilation per batch size); eagerly, where
-    sizes vary from call to call, the entries are padded to a bucket of
-    lengths (`sparse_rows.padded`), so that a compilation serves every length
-    in it. The options' numbers are arguments (`adam_math.split_options`), so
-    one compilation serves every value of them. Ids out of range are removed
-    first (`in_table`). With `by_kernels` (`scatters_by_kernels`) TF's kernels
-    group, gather and scatter the rows and the computation computes the new
-    rows alone.
-    """
+    """`sparse_row_update` of an IndexedSlices gradient outside XLA, as one XLA computation (eagerly its
+    entries padded to a bucket, the options' numbers arguments); with `by_kernels` TF's kernels group,
+    gather and scatter the rows and the computation computes the new rows alone."""
     structure, arguments = update_rows.split()
     targets = [native_variable(variable)] + [native_variable(s) for s in slots]
     indices, values = in_table(*sparse_entries(gradient), tf.shape(targets[0])[0])

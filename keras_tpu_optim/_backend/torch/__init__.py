@@ -272,15 +272,8 @@ class _TrainedLookup(torch.autograd.Function):
 
 
 def _check_one_update_per_step(cache, name, iterations):
-    """Raise if the table was updated at this value of `iterations` already (`cache` keeps the step count's
-    tensor and in-place version at the table's last update, and the next step it handed on).
-
-    The model's optimizer advances `iterations` (in place, which bumps the
-    tensor's version) after each step's backward pass; a second backward pass
-    before that is a second lookup in one step, unless the last update handed
-    on a NaN (a step the model's optimizer skipped). Read without a host sync
-    but on a repeat.
-    """
+    """Raise if the table was updated at this value of `iterations` already: a second backward pass before
+    the model's optimizer advanced `iterations` (in place: its tensor's version), unless that update was skipped."""
     last = cache.pop("last_update", None)
     if last is None or last[0] != (id(iterations), iterations._version) or torch.isnan(last[1]):
         return

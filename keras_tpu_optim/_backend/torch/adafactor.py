@@ -1,12 +1,5 @@
-"""Adafactor on eager torch: the formula evaluated in blocks of a variable, or for groups of variables at once.
-
-`blocked_step` evaluates the sums over blocks of the leading axis and writes
-the update a block at a time: no intermediate is bigger than a block (eager
-torch would materialise each at the variable's size). `grouped_step` stacks
-the variables of one shape, dtype and kind of state and evaluates the step
-once for the stack: one kernel launch per op for the group, not one per
-variable. Neither reads a value back to the host.
-"""
+"""Adafactor on eager torch: `blocked_step` (a variable in blocks of its leading axis) and `grouped_step`
+(variables of one shape stacked), neither reading a value back to the host (docs/algorithms.md)."""
 
 from __future__ import annotations
 
@@ -72,13 +65,8 @@ def blocked_step(
     variable_index=0,
     chunk_elements=BLOCK_ELEMENTS,
 ) -> None:
-    """One step of one variable, in place: the sums in blocks of the leading axis, then the update block by block.
-
-    `slots` are the float32 statistics; `momentum` (or None) float32 or
-    bfloat16; `learning_rate` and `step` (`iterations + 1`) 0-d tensors. A
-    variable of another dtype than float32 is updated in float32 and rounded
-    once (to nearest, or stochastically, keyed by `variable_index`).
-    """
+    """One step of one variable, in place: the sums in blocks of the leading axis, then the update block by
+    block (`learning_rate`, `step`: 0-d tensors; a non-float32 variable rounded once, keyed by `variable_index`)."""
     shape = tuple(param.shape)
     evaluation = _Float32Blocks(shape, EVALUATION, chunk_elements=chunk_elements)
     if len(slots) == 1:
@@ -151,13 +139,8 @@ def chunked(positions: list, numel: int) -> list:
 
 @torch.no_grad()
 def grouped_step(members, *, step, scalars, options, axes, indices=None) -> None:
-    """One step of variables of one shape, dtype and kind of state (`group_key`), in place.
-
-    `step` and the step's `adafactor_math.step_scalars` are on the members'
-    device; `axes` are the factored axes of the shape (None: unfactored);
-    `indices` the members' positions in the optimizer's variables (an int32
-    tensor on their device), which key stochastic rounding's random bits.
-    """
+    """One step of variables of one shape, dtype and kind of state (`group_key`), in place: `step` and
+    `scalars` on their device, `indices` their int32 positions in the optimizer (stochastic rounding's keys)."""
     first = members[0]
     params = [m.param for m in members]
     grads = _float32(torch.stack([m.grad for m in members]))

@@ -1,10 +1,5 @@
-"""torch: the touched rows of a table (a sparse COO gradient's, or a dense gradient's non-zero rows) updated
-in place, and accumulated in place under `gradient_accumulation_steps` (`keras_tpu_optim._accumulation`).
-
-Reads and writes are of the rows named, in buffers kept across steps (`Scratch`): an eager step
-that allocates its intermediates afresh pays, on CPU, the page faults of memory the allocator
-handed back to the OS in between.
-"""
+"""torch: the touched rows of a table updated in place, and accumulated in place under
+`gradient_accumulation_steps`, in buffers kept across steps (`Scratch`)."""
 
 from __future__ import annotations
 
@@ -72,13 +67,8 @@ _CPU_CHUNK_ELEMENTS = 1 << 20
 
 
 def touched_rows(gradient, scratch):
-    """Rows with any non-zero (or NaN) entry: `_math.embedding_adam.touched_row_mask`'s rule.
-
-    On CPU a non-zero L2 norm of the rows scaled by `_UNDERFLOW_SCALE`, a chunk
-    at a time (torch's L2 norm reads several times faster there than its
-    1-norm; the scale keeps tiny entries from squaring to zero). Elsewhere the
-    1-norm, reduced without a full-size temporary.
-    """
+    """Rows with any non-zero (or NaN) entry (`touched_row_mask`'s rule): on CPU a non-zero L2 norm of the
+    rows scaled by `_UNDERFLOW_SCALE`, a chunk at a time; elsewhere the 1-norm."""
     if gradient.dim() == 1:
         return torch.nonzero(gradient).squeeze(1)
     rows = gradient.reshape(gradient.shape[0], -1)
