@@ -250,7 +250,8 @@ def catch_up_of(w, m, v, first_step, steps, rate, **options):
     from keras_tpu_optim._math import catch_up, embedding_adam
 
     options = embedding_adam.RowUpdateOptions(catch_up_window=512, **options)
-    window = keras.ops.convert_to_tensor(catch_up.initial_window(catch_up.options_plan(options)))
+    plan = catch_up.options_plan(options)  # a window of rows all current: zeros
+    window = keras.ops.zeros((plan.terms + 1, plan.window + 1), "float32")
     for s in range(first_step, first_step + steps):
         a = rate * np.sqrt(1 - 0.999 ** (s + 1)) / (1 - 0.9 ** (s + 1))
         window = catch_up.advanced_window(window, np.float32(a), float(s), options)
