@@ -165,22 +165,12 @@ def _adafactor_update(structure, evaluation):
     """`(gradient, variable, slots, momentum, learning_rate, step, variable_index, option_values)` -> the new
     `(variable, slots, momentum)`, compiled once per shape and options' structure (`split_options`)."""
 
-    def adafactor_values(
-        gradient, variable, slots, momentum, learning_rate, step, variable_index, option_values
-    ):
+    def adafactor_values(*arguments):
         new = {}  # The neutral step, functionally: each array's new value by its identity.
-        neutral.adafactor_step(
-            gradient,
-            variable,
-            slots,
-            momentum,
-            learning_rate=learning_rate,
-            step=step,
-            options=adafactor_math.joined_options(structure, option_values),
-            variable_index=variable_index,
-            evaluation=evaluation,
-            assign=lambda target, value: new.__setitem__(id(target), value),
+        neutral.adafactor_step_of_values(
+            arguments, structure, evaluation, assign=lambda t, value: new.__setitem__(id(t), value)
         )
+        _, variable, slots, momentum = arguments[:4]
         return (
             new[id(variable)],
             tuple(new[id(s)] for s in slots),

@@ -166,20 +166,12 @@ def assigning_step(
             tuple(variable.shape), GRAPH_CPU_EVALUATION, _after, chunk_elements
         )
     assignments = []
-    neutral.adafactor_step(
-        grad,
-        variable,
-        slots,
-        momentum,
-        learning_rate=learning_rate,
-        step=step,
-        options=adafactor_math.joined_options(structure, option_values),
-        variable_index=variable_index,
-        evaluation=evaluation,
-        assign=lambda target, value: assignments.append(target.assign(value, read_value=False)),
-        assign_sub=lambda target, value: assignments.append(
-            target.assign_sub(value, read_value=False)
-        ),
+    neutral.adafactor_step_of_values(
+        (grad, variable, slots, momentum, learning_rate, step, variable_index, option_values),
+        structure,
+        evaluation,
+        assign=lambda t, value: assignments.append(t.assign(value, read_value=False)),
+        assign_sub=lambda t, value: assignments.append(t.assign_sub(value, read_value=False)),
     )
     with tf.control_dependencies([op for op in assignments if op is not None]):
         return tf.zeros([])
