@@ -617,14 +617,16 @@ def test_tf_strategies_the_layer_cannot_serve_raise_naming_them():
         model.train_on_batch(np.asarray(STEP_IDS[0], np.int32), targets(0, (BATCH, K, DIM)))
     with mirrored_strategy().scope():
         model, _ = table_model({"skip_nonfinite_updates": True})
-    with pytest.raises(ValueError, match="skip_nonfinite_updates=True.*MirroredStrategy"):
+    with pytest.raises(
+        ValueError, match="'embedding[^']*'.*skip_nonfinite_updates=True.*MirroredStrategy"
+    ):
         model.train_on_batch(np.asarray(STEP_IDS[0], np.int32), targets(0, (BATCH, K, DIM)))
     with mirrored_strategy().scope():
         model, _ = table_model({})
         model.compile(
             optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)), loss="mse"
         )
-    with pytest.raises(ValueError, match="LossScaleOptimizer.*MirroredStrategy"):
+    with pytest.raises(ValueError, match="'embedding[^']*'.*LossScaleOptimizer.*MirroredStrategy"):
         model.train_on_batch(np.asarray(STEP_IDS[0], np.int32), targets(0, (BATCH, K, DIM)))
 
 

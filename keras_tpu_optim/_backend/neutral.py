@@ -166,10 +166,10 @@ class LookupEvaluation:
         """Write `new_rows` into the `targets` at `ids`: the new tables where state is immutable, else None."""
         raise NotImplementedError
 
-    def unless_nonfinite(self, finite, write, ids, targets, every_row):
+    def unless_nonfinite(self, finite, write, ids, targets, every_row, name):
         """`write(ids)`, the backward pass's writes into `targets` at `ids` (`every_row`: all of them), made
-        only where `finite` holds (None: always): here in place, under a condition (eager torch reads
-        `finite` on the host, as the optimizers' `skip_nonfinite_updates` does)."""
+        only where `finite` holds (None: always; `name`: the layer's, for errors): here in place, under a
+        condition (eager torch reads `finite` on the host, as the optimizers' `skip_nonfinite_updates` does)."""
         if finite is None:
             return write(ids)
         apply_if(finite, lambda: write(ids), targets)
@@ -251,6 +251,7 @@ def trained_lookup(
                 ops.reshape(ids, (-1,)),
                 targets,
                 every_row=not lazy,
+                name=name,
             )
             return new_tables, None, next_step(step, finite)
 
@@ -284,6 +285,7 @@ def trained_lookup(
                 residuals[0],
                 targets,
                 every_row=False,
+                name=name,
             )
             if finite is not None:
                 new_window = ops.where(finite, new_window, window)

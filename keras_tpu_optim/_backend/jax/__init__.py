@@ -255,7 +255,7 @@ class _Lookup(neutral.LookupEvaluation):
     def write_rows(self, targets, ids, new_rows):
         return tuple(rows.scatter(t, ids, r) for t, r in zip(targets, new_rows))
 
-    def unless_nonfinite(self, finite, write, ids, targets, every_row):
+    def unless_nonfinite(self, finite, write, ids, targets, every_row, name):
         # Functionally: ids past the table, whose writes are dropped (the cost stays the rows'); or, where
         # every row is written, the old tables selected.
         if finite is None:

@@ -143,16 +143,16 @@ class _Lookup(neutral.LookupEvaluation):
     def read_step(self, iterations):
         return tf.convert_to_tensor(iterations.value)
 
-    def unless_nonfinite(self, finite, write, ids, targets, every_row):
+    def unless_nonfinite(self, finite, write, ids, targets, every_row, name):
         if finite is not None and tf.distribute.get_strategy().num_replicas_in_sync > 1:
             raise ValueError(
-                "keras_tpu_optim.layers.Embedding with `optimizer`: skipping a non-finite step "
+                f"keras_tpu_optim.layers.Embedding '{name}' with `optimizer`: skipping a non-finite step "
                 "(`skip_nonfinite_updates=True` in its optimizer or the model's, or the model's "
                 "LossScaleOptimizer) does not run under a tf.distribute strategy "
                 f"({type(tf.distribute.get_strategy()).__name__}): the skip is a condition around the replicas' "
                 "writes, which TF's strategies do not allow. Unset it, or train on one device."
             )
-        return super().unless_nonfinite(finite, write, ids, targets, every_row)
+        return super().unless_nonfinite(finite, write, ids, targets, every_row, name)
 
     def grouped(self, every):
         if compiling_helps():
