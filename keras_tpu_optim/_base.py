@@ -144,9 +144,16 @@ class OptimizerBase(keras.optimizers.Optimizer):
                 f"{_private.raw_learning_rate(self)!r} returned a value of shape {shape}."
             )
         if self.loss_scale_factor is not None:
-            # Keras unscales with `g / scale`, which tf.IndexedSlices does not support.
+            # Keras unscales with `g / scale`, which tf.IndexedSlices does not support; a gradient that
+            # overwrites its variable (a layer's trained table, its step count) is not scaled.
+            kept = (
+                [_private.overwritten_with_gradient(self, v) for v in variables]
+                if len(variables) == len(grads)
+                else [False] * len(grads)
+            )
             grads = [
-                None if g is None else backend.unscale(g, self.loss_scale_factor) for g in grads
+                g if g is None or keep else backend.unscale(g, self.loss_scale_factor)
+                for g, keep in zip(grads, kept)
             ]
             loss_scale_factor, self.loss_scale_factor = self.loss_scale_factor, None
             try:

@@ -637,6 +637,7 @@ def test_model_optimizer_that_accumulates_raises_naming_it():
     before = numpy_of(layer.embeddings)
     model.compile(optimizer=keras.optimizers.Adam(0.01, gradient_accumulation_steps=2), loss="mse")
     ids, y = fit_data()
+    model.predict(ids[:BATCH], verbose=0)  # looking up is not training
     with pytest.raises(ValueError, match="table.*gradient_accumulation_steps=2"):
         model.train_on_batch(ids[:BATCH], y[:BATCH])
     np.testing.assert_array_equal(numpy_of(layer.embeddings), before)
@@ -651,6 +652,8 @@ SKIPPING_MODEL_OPTIMIZERS = {
     ),
     "loss_scale_factor": lambda: keras.optimizers.SGD(0.1, loss_scale_factor=64.0),
     "skip_nonfinite": lambda: kto.Adafactor(0.1, skip_nonfinite_updates=True),
+    # Ours unscale the gradients themselves: not those that overwrite their variables (the layer's).
+    "ours_loss_scale_factor": lambda: kto.Adafactor(0.1, loss_scale_factor=64.0),
 }
 
 
@@ -666,7 +669,7 @@ def test_model_optimizer_that_scales_or_skips(case, model_optimizer):
     model, layer = table_model(options)
     model.compile(optimizer=SKIPPING_MODEL_OPTIMIZERS[model_optimizer](), loss="mse")
     reference = NumpyEmbeddingAdam(initial_table(), **reference_arguments(options))
-    skips = model_optimizer != "loss_scale_factor"
+    skips = model_optimizer in ("loss_scale", "skip_nonfinite")
     for step, ids in enumerate(STEP_IDS):
         ids = np.asarray(ids, np.int32)
         if step == 1 and skips:
@@ -682,6 +685,35 @@ def test_model_optimizer_that_scales_or_skips(case, model_optimizer):
     assert_matches(layer, reference)
     if model_optimizer == "loss_scale":
         assert float(numpy_of(model.optimizer.dynamic_scale)) == 2.0**9
+
+
+def test_a_step_the_model_skips_for_another_gradient():
+    """A `LossScaleOptimizer` skipping a step for another variable's gradient (a `Dense` kernel's overflows, the
+    looked-up rows' does not; the kernel stays 0 while its input is): on TF and torch the table, trained in the backward pass, keeps its step count
+    in step with it, and the next steps train on; on JAX the model's skip holds the table too."""
+    ids = keras.Input((K,), dtype="int32")
+    x = keras.Input((1,))
+    layer = kto.layers.Embedding(ROWS, DIM, optimizer=kto.EmbeddingAdam(0.05))
+    dense = keras.layers.Dense(1, kernel_initializer="zeros", use_bias=False)
+    pooled = keras.ops.mean(layer(ids), axis=(1, 2))[:, None]
+    model = keras.Model([ids, x], pooled + dense(x))
+    model.compile(
+        optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)), loss="mse"
+    )
+    batch = np.asarray(STEP_IDS[0], np.int32)
+    y = targets(0, (BATCH, 1))
+    model.train_on_batch([batch, np.zeros((BATCH, 1), "float32")], y)
+    before = numpy_of(layer.embeddings)
+    model.train_on_batch(
+        [batch, np.full((BATCH, 1), 1e35, "float32")], y
+    )  # the kernel's gradient overflows
+    assert float(numpy_of(model.optimizer.dynamic_scale)) == 2.0**14
+    in_place = BACKEND != "jax"
+    assert np.array_equal(numpy_of(layer.embeddings), before) != in_place
+    assert float(numpy_of(layer.iterations)) == (2 if in_place else 1)
+    model.train_on_batch([batch, np.zeros((BATCH, 1), "float32")], y)
+    assert float(numpy_of(layer.iterations)) == (3 if in_place else 2)
+    assert np.isfinite(numpy_of(layer.embeddings)).all()
 
 
 def test_mixed_float16_trains_the_table_and_skips_an_overflowing_step():

@@ -140,6 +140,10 @@ class LookupEvaluation:
         it is not (JAX)."""
         raise NotImplementedError
 
+    def write_step(self, iterations, new_step):
+        """Write the step count in place where state is written in place (TF, torch)."""
+        iterations.assign(new_step)
+
     def write_window(self, window, new_window):
         """Write the catch-up window's new value where state is written in place (TF, torch)."""
         window.assign(new_window)
@@ -215,6 +219,7 @@ def trained_lookup(
     the gradient of `iterations` is its next value (NaN for a skipped step with `skip_with_model`)
     (docs/algorithms.md#tables-trained-in-the-lookup, #non-finite-steps-in-the-layers)."""
     ev = evaluation
+    cache["model_skips"] = skip_with_model  # (torch's check of a second update in a step)
     step = ev.read_step(iterations)
     # The key of stochastic rounding (the table's index is 0), read only where it rounds.
     rounding_step = ops.cast(step, "int32") if options.stochastic_rounding else None
@@ -225,9 +230,13 @@ def trained_lookup(
     def next_step(step, finite):
         if finite is None:
             return step + 1
+        new_step = step + ops.cast(finite, step.dtype)
         if skip_with_model:
-            return ops.where(finite, step + 1, float("nan"))
-        return step + ops.cast(finite, step.dtype)
+            # The model's optimizer skips too: a NaN gradient. Where it skips for a reason of its own, the
+            # count written in place (TF, torch) keeps up with the table written in place.
+            ev.write_step(iterations, new_step)
+            return ops.where(finite, new_step, float("nan"))
+        return new_step
 
     if window is None:
 
@@ -294,10 +303,16 @@ def trained_lookup(
     def unscaled_backward(
         residuals, row_gradients, loss_scale, ids, step, learning_rate, window_value, targets=state
     ):
-        loss_scale = ops.cast(loss_scale, row_gradients.dtype)
+        loss_scale = ops.cast(loss_scale, "float32")
         loss_scale = ops.where(ops.equal(loss_scale, 0), ops.ones_like(loss_scale), loss_scale)
         new_tables, new_window, next_step = backward(
-            residuals, row_gradients / loss_scale, ids, step, learning_rate, targets, window_value
+            residuals,
+            ops.cast(row_gradients, "float32") / loss_scale,
+            ids,
+            step,
+            learning_rate,
+            targets,
+            window_value,
         )
         if window is not None:
             ev.write_window(window, new_window)

@@ -26,26 +26,20 @@ _UNSUPPORTED = {
 }
 
 
-def _model_optimizer_skips(layer_name):
-    """Whether the optimizer of the model calling the layer skips non-finite steps (a `LossScaleOptimizer`, or
-    `skip_nonfinite_updates`), as the table's update then does, or None where no model is calling (the model
-    is the outermost layer of the call, Keras's call context); raise if it accumulates gradients over steps."""
+def _model_optimizer():
+    """`(skips, accumulation_steps)` of the optimizer of the model calling the layer: whether it skips
+    non-finite steps (a `LossScaleOptimizer`, or `skip_nonfinite_updates`), as the table's update then does,
+    and its `gradient_accumulation_steps`; None where no model is calling (the model is the outermost layer
+    of the call, Keras's call context)."""
     model = _private.calling_model()
     if not isinstance(model, keras.Model):
         return None
     optimizer = getattr(model, "optimizer", None)
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    steps = getattr(inner, "gradient_accumulation_steps", None)
-    if steps:
-        raise ValueError(
-            f"keras_tpu_optim.layers.Embedding '{layer_name}' with `optimizer`: the model's optimizer has "
-            f"`gradient_accumulation_steps={steps!r}`, which is not supported (the table is updated in the "
-            "backward pass of every step, not once per accumulated step). Compile the model without it, or use "
-            "this layer without `optimizer`."
-        )
-    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or bool(
+    skips = isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or bool(
         getattr(inner, "skip_nonfinite_updates", False)
     )
+    return skips, getattr(inner, "gradient_accumulation_steps", None)
 
 
 def _check_optimizer(optimizer):
@@ -320,9 +314,9 @@ class Embedding(keras.layers.Embedding):
             return super().call(inputs)
         # Read in every call with the model calling: JAX's step calls it statelessly (no call context), but
         # Keras builds it symbolically, calling it, before the first step after `compile`.
-        skips = _model_optimizer_skips(self.name)
-        if skips is not None:
-            self.__dict__["_model_optimizer_skips"] = skips
+        found = _model_optimizer()
+        if found is not None:
+            self.__dict__["_model_optimizer"] = found
         if inputs.dtype != "int32" and inputs.dtype != "int64":
             inputs = ops.cast(inputs, "int32")
         ids, outside = self._counted_in_table(inputs)
@@ -342,7 +336,14 @@ class Embedding(keras.layers.Embedding):
             return self._masked(outputs, outside)
         self._check_one_lookup_per_step()
         optimizer = self._table_optimizer
-        skip_with_model = self.__dict__.get("_model_optimizer_skips", False)
+        skip_with_model, steps = self.__dict__.get("_model_optimizer", (False, None))
+        if steps:
+            raise ValueError(
+                f"keras_tpu_optim.layers.Embedding '{self.name}' with `optimizer`: the model's optimizer has "
+                f"`gradient_accumulation_steps={steps!r}`, which is not supported (the table is updated in the "
+                "backward pass of every step, not once per accumulated step). Compile the model without it, or "
+                "use this layer without `optimizer`."
+            )
         # Read where Keras maps the variables to the step's state.
         learning_rate, options = self._row_update_arguments(self.iterations.value)
         outputs, loss_scale_probe = backend.trained_lookup(
@@ -359,8 +360,8 @@ class Embedding(keras.layers.Embedding):
             skip_nonfinite=optimizer.skip_nonfinite_updates or skip_with_model,
             skip_with_model=skip_with_model,
         )
-        # A zero whose gradient is the scale of the loss (`trained_lookup`).
-        self.add_loss(loss_scale_probe)
+        # A zero whose gradient is the scale of the loss (`trained_lookup`), in the loss's dtype.
+        self.add_loss(ops.cast(loss_scale_probe, keras.config.floatx()))
         return self._masked(outputs, outside)
 
     def _counted_in_table(self, ids):

@@ -248,6 +248,9 @@ class _Lookup(neutral.LookupEvaluation):
     def write_window(self, window, new_window):
         pass  # Its new value is its gradient.
 
+    def write_step(self, iterations, new_step):
+        pass  # The model's optimizer installs it, or skips the table with it.
+
     def gather(self, table, ids):
         # An id past the table reads as `ops.take` reads it (NaN); its update is dropped.
         return table.at[ids].get(mode="fill")

@@ -222,7 +222,7 @@ class _Lookup(neutral.LookupEvaluation):
                 saved.pop(), row_gradients, loss_scale, ids, step, learning_rate, window_before
             )
             if checked:
-                cache["last_update"] = ((id(count), count._version), next_step)
+                cache["last_update"] = (id(count), count._version)
             return next_step
 
         return _TrainedLookup.apply(ids, step, state[0].value, backward_step, read)
@@ -273,9 +273,10 @@ class _TrainedLookup(torch.autograd.Function):
 
 def _check_one_update_per_step(cache, name, iterations):
     """Raise if the table was updated at this value of `iterations` already: a second backward pass before
-    the model's optimizer advanced `iterations` (in place: its tensor's version), unless that update was skipped."""
+    the model's optimizer advanced `iterations` (in place: its tensor's version); not checked where the model's
+    optimizer may skip steps (`cache["model_skips"]`)."""
     last = cache.pop("last_update", None)
-    if last is None or last[0] != (id(iterations), iterations._version) or torch.isnan(last[1]):
+    if last is None or last != (id(iterations), iterations._version) or cache.get("model_skips"):
         return
     raise ValueError(
         f"keras_tpu_optim.layers.Embedding '{name}' with `optimizer` is called twice in one training "
