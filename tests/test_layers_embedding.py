@@ -716,6 +716,31 @@ def test_a_step_the_model_skips_for_another_gradient():
     assert np.isfinite(numpy_of(layer.embeddings)).all()
 
 
+@pytest.mark.parametrize("case", ["default", "not_lazy"])
+def test_floatx_bfloat16_trains_and_looks_up(case):
+    """Under `floatx="bfloat16"` (the table bf16 by default; Keras promotes int32 ids and Python ints to it on
+    JAX) the layer trains its looked-up rows only, and `predict` returns the table's rows at the ids."""
+    keras.config.set_floatx("bfloat16")
+    try:
+        model, layer = table_model(OPTION_CASES[case])
+        ids = np.asarray(STEP_IDS[0], np.int32)
+        before = numpy_of(layer.embeddings)
+        model.train_on_batch(ids, targets(0, (BATCH, K, DIM)))
+        predicted = keras.ops.convert_to_numpy(model.predict_on_batch(ids)).astype(np.float64)
+    finally:
+        keras.config.set_floatx("float32")
+    if layer.catch_up_sums is not None:
+        layer.catch_up()
+    table = numpy_of(layer.embeddings)
+    assert layer.embeddings.dtype == "bfloat16" and float(numpy_of(layer.iterations)) == 1
+    touched = np.unique(ids)
+    assert not np.array_equal(table[touched], before[touched])
+    if case == "default":  # lazy: the rows not looked up keep their values
+        untouched = np.setdiff1d(np.arange(ROWS), touched)
+        np.testing.assert_array_equal(table[untouched], before[untouched])
+    np.testing.assert_array_equal(predicted, table[ids])
+
+
 def test_mixed_float16_trains_the_table_and_skips_an_overflowing_step():
     """Under the `mixed_float16` policy Keras wraps the model's optimizer in a `LossScaleOptimizer`: the table
     (float32) trains as in float32 up to float16's rounding of the looked-up rows, and a step whose float16

@@ -241,7 +241,7 @@ def trained_lookup(
     if window is None:
 
         def forward(ids, step, learning_rate, tables, window):
-            return ops.take(tables[0], ops.minimum(ids, tables[0].shape[0] - 1), axis=0), None
+            return ops.take(tables[0], sparse_rows.clipped(ids, tables[0].shape[0]), axis=0), None
 
         def backward(residuals, row_gradients, ids, step, learning_rate, targets, window):
             values = ops.reshape(row_gradients, (-1,) + tuple(targets[0].shape[1:]))
@@ -275,7 +275,7 @@ def trained_lookup(
 
         def forward(ids, step, learning_rate, tables, window):
             # A row looked up for an id past the table steps with a zero gradient: ordinary Adam's step.
-            ids = ops.minimum(ids, tables[0].shape[0] - 1)
+            ids = sparse_rows.clipped(ids, tables[0].shape[0])
             every = catch_up.read_ids(ids, step, tables[0].shape[0], options)
             group, distinct, slot = ev.grouped(every)
             rows = [ev.gather(t, distinct) for t in tables]

@@ -38,6 +38,12 @@ def out_of_range(ids, num_rows):
     return ops.logical_or(ids < 0, ids >= num_rows)
 
 
+def clipped(ids, num_rows):
+    """`ids` past the table read as its last row (the caller masks them). A typed bound: Keras promotes an
+    int32 tensor and a Python int to `floatx` on JAX when that is a half dtype."""
+    return ops.minimum(ids, ops.convert_to_tensor(num_rows - 1, ids.dtype))
+
+
 def in_table(ids, num_rows, outside=None):
     """`ids` with every id outside `[0, num_rows)` (`outside`, where known) moved past the table, to `num_rows`:
     such an id trains nothing (docs/algorithms.md#ids-out-of-range)."""

@@ -322,7 +322,7 @@ class Embedding(keras.layers.Embedding):
         ids, outside = self._counted_in_table(inputs)
         if not training or not self.trainable:
             step = self.iterations.value
-            readable = ops.minimum(ids, self.input_dim - 1)
+            readable = sparse_rows.clipped(ids, self.input_dim)
             if self.catch_up_sums is None:
                 outputs = ops.take(self._embeddings.value, readable, axis=0)
             else:
