@@ -196,7 +196,7 @@ class Adafactor(OptimizerBase):
             variable,
             self._states[index],
             learning_rate=learning_rate,
-            step=self.iterations + 1,
+            step=keras.ops.convert_to_tensor(self.iterations) + 1,
             options=self._options,
             variable_index=index,
             platform=self._platforms[index],
@@ -213,7 +213,7 @@ class Adafactor(OptimizerBase):
             indices=indices,
             platforms=[self._platforms[i] for i in indices],
             learning_rate=learning_rate,
-            step=self.iterations + 1,
+            step=keras.ops.convert_to_tensor(self.iterations) + 1,
             options=self._options,
             cache=self._backend_cache,
         )

@@ -118,7 +118,7 @@ def _evaluations(shape):
         from keras_tpu_optim._backend.torch import adafactor as torch_adafactor
 
         evaluations["torch_norms_in_blocks"] = blocks.Blocked(
-            shape, torch_adafactor.EVALUATION, chunk_elements=40
+            shape, torch_adafactor.TorchEvaluation(), chunk_elements=40
         )
     return evaluations
 

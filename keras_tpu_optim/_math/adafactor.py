@@ -109,8 +109,21 @@ class Evaluation:
         square = ops.square(x)
         return tuple(self.sum(square, axis) for axis in axes)
 
+    def square_means(self, x, axes):
+        """`mean(x^2, axis)` for each int axis of `axes`."""
+        sums = self.square_sums(x, axes)
+        return tuple(total / _size(x, (axis,)) for total, axis in zip(sums, axes))
+
     def weighted_square_sum(self, x, weights, axis):
         return self.sum(ops.square(x) * weights, axis)
+
+    def at_least(self, x, low):
+        """`max(x, low)` for a constant `low`."""
+        return ops.maximum(x, low)
+
+    def at_most(self, x, high):
+        """`min(x, high)` for a constant `high`."""
+        return ops.minimum(x, high)
 
     def sum(self, x, axis):
         """Over the variable the last axis first: a reduction to a scalar runs on one thread on some
@@ -122,6 +135,11 @@ class Evaluation:
             x, axes = ops.sum(x, axis=-1), axes[:-1]
         return ops.sum(x, axis=axes) if axes else x
 
+    def root_mean_square(self, x, numel):
+        """`sqrt(sum(x^2) / numel)` over the variable."""
+        (square_sum,) = self.square_sums(x, (None,))
+        return ops.sqrt(square_sum / numel)
+
     def separately(self, x):
         """`x` (an array or a tuple) computed apart from what follows: a fusion hint, here the identity."""
         return x
@@ -130,9 +148,10 @@ class Evaluation:
 NEUTRAL = Evaluation()
 
 
-def clip_factor(update_mean_square, clip_threshold):
-    """`1 / max(1, RMS(u) / d)`, the update clipping of the paper (section 6)."""
-    return 1.0 / ops.maximum(1.0, ops.sqrt(update_mean_square) / clip_threshold)
+def clip_factor(update_square_sum, numel, clip_threshold, evaluation=NEUTRAL):
+    """`1 / max(1, RMS(u) / d)`, the update clipping of the paper (section 6), of `u`'s `numel` elements:
+    `min(1, d sqrt(numel) / sqrt(sum(u^2)))` (a sum of zero clips nothing)."""
+    return evaluation.at_most(ops.rsqrt(update_square_sum) * (clip_threshold * numel**0.5), 1.0)
 
 
 class Preconditioned(NamedTuple):
@@ -165,9 +184,10 @@ def step_scalars(learning_rate, step, options: AdafactorOptions) -> StepScalars:
     # beta2_t = min(1 - t^beta_2_decay, beta_2_cap), t floored at 1 before `decay_offset` (where
     # optax's schedule is not finite).
     t = ops.maximum(step - float(o.decay_offset), 1.0) if o.decay_offset else step
-    beta2_t = 1.0 - ops.power(t, o.beta_2_decay)
-    if o.beta_2_cap is not None:
-        beta2_t = ops.minimum(beta2_t, o.beta_2_cap)
+    decay = t**o.beta_2_decay
+    if o.beta_2_cap is None:
+        return StepScalars(rho, 1.0 - decay, decay)
+    beta2_t = ops.minimum(1.0 - decay, o.beta_2_cap)
     return StepScalars(rho, beta2_t, 1.0 - beta2_t)
 
 
@@ -197,30 +217,30 @@ def preconditioned(
     rho, beta2_t, one_minus_beta2_t = scalars or step_scalars(learning_rate, step, o)
     alpha = rho
     if o.multiply_by_parameter_scale:
-        (param_square_sum,) = ev.square_sums(param, (None,))
-        alpha = ops.maximum(o.epsilon_2, ops.sqrt(param_square_sum / numel)) * rho
+        alpha = ev.at_least(ev.root_mean_square(param, numel), o.epsilon_2) * rho
     if len(slots) == 1:
         (v,) = slots
-        v = beta2_t * v + one_minus_beta2_t * (ops.square(grad) + o.epsilon_1)
-        preconditioner = ops.rsqrt(v)
-        update_square_sum = ev.weighted_square_sum(grad, ops.square(preconditioner), None)
-        scale = alpha * clip_factor(update_square_sum / numel, o.clip_threshold)
-        return Preconditioned((v,), (preconditioner, _per_variable(scale, ndim, batch)))
+        square = ops.square(grad)
+        v = beta2_t * v + one_minus_beta2_t * (square + o.epsilon_1)
+        # sum(u^2) = sum(g^2 / v): the update is not formed to be reduced.
+        scale = alpha * clip_factor(ev.sum(square / v, None), numel, o.clip_threshold, ev)
+        return Preconditioned((v,), (ops.rsqrt(v), _per_variable(scale, ndim, batch)))
     a, b = (
         (ndim - 2, ndim - 1) if factored_axes is None else (axis + batch for axis in factored_axes)
     )
     row, column = slots
-    row_sum, column_sum = ev.square_sums(grad, (b, a))
-    row = beta2_t * row + one_minus_beta2_t * (row_sum / _size(grad, (b,)) + o.epsilon_1)
-    column = beta2_t * column + one_minus_beta2_t * (column_sum / _size(grad, (a,)) + o.epsilon_1)
-    # 1 / sqrt(V) for V = (R / mean(R)) outer C, never materialised.
-    row_factor = ops.rsqrt(row / ops.mean(row, axis=a - (b < a), keepdims=True))
+    row_mean, column_mean = ev.square_means(grad, (b, a))
+    row = beta2_t * row + one_minus_beta2_t * (row_mean + o.epsilon_1)
+    column = beta2_t * column + one_minus_beta2_t * (column_mean + o.epsilon_1)
+    # 1 / sqrt(V) for V = (R / mean(R)) outer C, never materialised: r = 1 / sqrt(R / mean(R)).
+    normalized_row = row / ops.mean(row, axis=a - (b < a), keepdims=True)
+    row_factor = ops.rsqrt(normalized_row)
     column_factor = ops.expand_dims(ops.rsqrt(column), a)
     grad, row_factor, column_factor = ev.separately((grad, row_factor, column_factor))
-    # mean(u^2) = mean(r^2 * sum_b(g^2 c^2)): the update is not formed to be reduced.
+    # sum(u^2) = sum(r^2 * sum_b(g^2 c^2)): the update is not formed to be reduced.
     weighted = ev.weighted_square_sum(grad, ops.square(column_factor), b)
-    update_square_sum = ev.sum(ops.square(row_factor) * weighted, None)
-    scale = alpha * clip_factor(update_square_sum / numel, o.clip_threshold)
+    update_square_sum = ev.sum(weighted / normalized_row, None)
+    scale = alpha * clip_factor(update_square_sum, numel, o.clip_threshold, ev)
     # The scalars ride on the row factor: two full-size products, not three.
     row_factor = ops.expand_dims(row_factor * _per_variable(scale, ndim - 1, batch), b)
     return Preconditioned((row, column), (row_factor, column_factor))

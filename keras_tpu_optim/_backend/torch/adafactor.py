@@ -13,26 +13,44 @@ from keras_tpu_optim._math import adafactor as adafactor_math
 
 
 class TorchEvaluation(adafactor_math.Evaluation):
-    """Sums of squares from one square written into its own buffer; a whole contiguous tensor's as a norm."""
+    """Sums and means of squares from one square written into its own buffer, kept for the weighted sum of
+    the same array that follows (a step's evaluation is its own); a whole contiguous tensor's root mean
+    square as a norm, a group's as one norm a member; constant bounds as scalars."""
 
     def __init__(self, batch_dims: int = 0):
         self.batch_dims = batch_dims
+        self._square = None  # (x, x^2) of the last `square_sums`
+
+    def root_mean_square(self, x, numel):
+        if isinstance(x, list):  # a group's parameters, not stacked
+            return torch.stack(torch._foreach_norm(x, 2, dtype=torch.float32)).mul_(numel**-0.5)
+        if not self.batch_dims and x.is_contiguous():
+            return torch.linalg.vector_norm(x).mul_(numel**-0.5)
+        return super().root_mean_square(x, numel)
 
     def square_sums(self, x, axes):
-        if isinstance(x, list):  # a group's parameters, not stacked: one norm each
-            assert tuple(axes) == (None,)
-            return (torch.stack(torch._foreach_norm(x, 2, dtype=torch.float32)).square_(),)
         if tuple(axes) == (None,) and not self.batch_dims and x.is_contiguous():
             return (torch.linalg.vector_norm(x).square_(),)
         square = torch.mul(x, x)
+        self._square = (x, square)
         return tuple(self.sum(square, axis) for axis in axes)
 
+    def square_means(self, x, axes):
+        square = torch.mul(x, x)
+        self._square = (x, square)
+        return tuple(square.mean(axis) for axis in axes)
+
+    # A constant bound taken as a scalar: no tensor made of it (on a GPU, a copy from the host).
+    def at_least(self, x, low):
+        return torch.clamp_min(x, low)
+
+    def at_most(self, x, high):
+        return torch.clamp_max(x, high)
+
     def weighted_square_sum(self, x, weights, axis):
-        return self.sum(torch.mul(x, x).mul_(weights), axis)
-
-
-EVALUATION = TorchEvaluation()
-GROUP_EVALUATION = TorchEvaluation(batch_dims=1)
+        kept, self._square = self._square, None
+        square = kept[1] if kept is not None and kept[0] is x else torch.mul(x, x)
+        return self.sum(square.mul_(weights), axis)
 
 
 def _float32(x):
@@ -68,7 +86,7 @@ def blocked_step(
     """One step of one variable, in place: the sums in blocks of the leading axis, then the update block by
     block (`learning_rate`, `step`: 0-d tensors; a non-float32 variable rounded once, keyed by `variable_index`)."""
     shape = tuple(param.shape)
-    evaluation = _Float32Blocks(shape, EVALUATION, chunk_elements=chunk_elements)
+    evaluation = _Float32Blocks(shape, TorchEvaluation(), chunk_elements=chunk_elements)
     if len(slots) == 1:
         grad = _float32(
             grad
@@ -151,7 +169,7 @@ def grouped_step(members, *, step, scalars, options, axes, indices=None) -> None
         tuple(torch.stack(s) for s in slots),
         options=options,
         factored_axes=axes,
-        evaluation=GROUP_EVALUATION,
+        evaluation=TorchEvaluation(batch_dims=1),
         scalars=scalars,
     )
     for targets, value in zip(slots, result.slots):
@@ -160,7 +178,10 @@ def grouped_step(members, *, step, scalars, options, axes, indices=None) -> None
     deltas, new_momenta = adafactor_math.elementwise_update(
         grads, result.factors, None if momenta is None else torch.stack(momenta), options
     )
-    column = None if indices is None else indices.reshape((-1,) + (1,) * first.param.dim())
+    # Stochastic rounding's keys: each member's index.
+    column = (
+        indices.reshape((-1,) + (1,) * first.param.dim()) if options.stochastic_rounding else None
+    )
     adafactor_math.write_back(
         params,
         deltas,
