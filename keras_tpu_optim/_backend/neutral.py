@@ -172,28 +172,14 @@ class LookupEvaluation:
 
     def unless_nonfinite(self, finite, write, ids, targets, every_row, name):
         """`write(ids)`, the backward pass's writes into `targets` at `ids` (`every_row`: all of them), made
-        only where `finite` holds (None: always; `name`: the layer's, for errors): here in place, under a
-        condition (eager torch reads `finite` on the host, as the optimizers' `skip_nonfinite_updates` does)."""
-        if finite is None:
-            return write(ids)
-        apply_if(finite, lambda: write(ids), targets)
-        return None
+        only where `finite` holds (`name`: the layer's, for errors): here in place, under a condition (eager
+        torch reads `finite` on the host, as the optimizers' `skip_nonfinite_updates` does)."""
+        ops.cond(finite, functools.partial(write, ids), lambda: None)
 
     def sparse_step(self, targets, ids, values, update_rows, *, lazy, accumulate_duplicates, cache):
         """EmbeddingAdam's step of the `targets` (the table, its slots) with the sparse gradient `(ids,
-        values)`: the new tables where state is immutable, else None, the step written in place by the
-        backend's `embedding_adam_step` of its own `sparse_gradient(ids, values, table)` (in-place backends)."""
-        table = targets[0]
-        self.embedding_adam_step(
-            self.sparse_gradient(ids, values, table, lazy),
-            table,
-            targets[1:],
-            update_rows,
-            lazy=lazy,
-            accumulate_duplicates=accumulate_duplicates,
-            max_touched_rows=None,
-            cache=cache,
-        )
+        values)` (every row without `lazy`): the new tables where state is immutable, else None."""
+        raise NotImplementedError
 
 
 def trained_lookup(
@@ -224,9 +210,6 @@ def trained_lookup(
     # The key of stochastic rounding (the table's index is 0), read only where it rounds.
     rounding_step = ops.cast(step, "int32") if options.stochastic_rounding else None
 
-    def finite_of(row_gradients):
-        return ops.all(ops.isfinite(row_gradients)) if skip_nonfinite else None
-
     def next_step(step, finite):
         if finite is None:
             return step + 1
@@ -238,31 +221,24 @@ def trained_lookup(
             return ops.where(finite, new_step, float("nan"))
         return new_step
 
+    # `writes(...)`: `(write, written_ids, every_row, new_window)`, `write(written_ids)` the backward pass's
+    # writes into `targets` (the new tables where state is immutable).
     if window is None:
 
         def forward(ids, step, learning_rate, tables, window):
             return ops.take(tables[0], sparse_rows.clipped(ids, tables[0].shape[0]), axis=0), None
 
-        def backward(residuals, row_gradients, ids, step, learning_rate, targets, window):
-            values = ops.reshape(row_gradients, (-1,) + tuple(targets[0].shape[1:]))
-            finite = finite_of(values)
-            new_tables = ev.unless_nonfinite(
-                finite,
-                lambda written_ids: ev.sparse_step(
-                    targets,
-                    written_ids,
-                    values,
-                    adam_math.RowUpdate(learning_rate, options, step=rounding_step),
-                    lazy=lazy,
-                    accumulate_duplicates=accumulate_duplicates,
-                    cache=cache,
-                ),
-                ops.reshape(ids, (-1,)),
+        def writes(residuals, row_gradients, ids, step, learning_rate, targets, window):
+            write = functools.partial(
+                ev.sparse_step,
                 targets,
-                every_row=not lazy,
-                name=name,
+                values=ops.reshape(row_gradients, (-1,) + tuple(targets[0].shape[1:])),
+                update_rows=adam_math.RowUpdate(learning_rate, options, step=rounding_step),
+                lazy=lazy,
+                accumulate_duplicates=accumulate_duplicates,
+                cache=cache,
             )
-            return new_tables, None, next_step(step, finite)
+            return write, ops.reshape(ids, (-1,)), not lazy, None
 
     else:
         caught_up = functools.partial(catch_up.looked_up, options=options)
@@ -283,39 +259,35 @@ def trained_lookup(
                 rows, ids, group, distinct, slot, step, window
             )
 
-        def backward(residuals, row_gradients, ids, step, learning_rate, targets, window):
+        def writes(residuals, row_gradients, ids, step, learning_rate, targets, window):
             new_rows, new_window = ev.compiled("catch_up_step", stepped, options, cache)(
                 residuals, row_gradients, learning_rate, step, window
             )
-            finite = finite_of(row_gradients)
-            new_tables = ev.unless_nonfinite(
-                finite,
-                lambda written_ids: ev.write_rows(targets, written_ids, new_rows),
+            return (
+                functools.partial(ev.write_rows, targets, new_rows=new_rows),
                 residuals[0],
-                targets,
-                every_row=False,
-                name=name,
+                False,
+                new_window,
             )
-            if finite is not None:
-                new_window = ops.where(finite, new_window, window)
-            return new_tables, new_window, next_step(step, finite)
 
-    def unscaled_backward(
+    def backward(
         residuals, row_gradients, loss_scale, ids, step, learning_rate, window_value, targets=state
     ):
         loss_scale = ops.cast(loss_scale, "float32")
         loss_scale = ops.where(ops.equal(loss_scale, 0), ops.ones_like(loss_scale), loss_scale)
-        new_tables, new_window, next_step = backward(
-            residuals,
-            ops.cast(row_gradients, "float32") / loss_scale,
-            ids,
-            step,
-            learning_rate,
-            targets,
-            window_value,
+        row_gradients = ops.cast(row_gradients, "float32") / loss_scale
+        write, written_ids, every_row, new_window = writes(
+            residuals, row_gradients, ids, step, learning_rate, targets, window_value
         )
+        finite = ops.all(ops.isfinite(row_gradients)) if skip_nonfinite else None
+        if finite is None:
+            new_tables = write(written_ids)
+        else:
+            new_tables = ev.unless_nonfinite(finite, write, written_ids, targets, every_row, name)
+            if window is not None:
+                new_window = ops.where(finite, new_window, window_value)
         if window is not None:
             ev.write_window(window, new_window)
-        return new_tables, new_window, next_step
+        return new_tables, new_window, next_step(step, finite)
 
-    return ev.hook(forward, unscaled_backward, ids, step, learning_rate, state, window, cache, name)
+    return ev.hook(forward, backward, ids, step, learning_rate, state, window, cache, name)

@@ -106,8 +106,9 @@ def sparse_row_update(
     search=True,
 ):
     """`tables` (the table and its slots) after `update_rows(grad_rows, weight_rows, *slot_rows)` on the rows
-    `ids` only; a backend passes `gather(table, ids)` and `scatter(table, ids, rows) -> table` (rows
-    cast to the table's dtype)."""
+    `ids` only, ids outside the table dropped (`in_table`); a backend passes `gather(table, ids)` and
+    `scatter(table, ids, rows) -> table`, which drops ids past the table (the rows are in its dtype)."""
+    ids = in_table(ids, tables[0].shape[0])
     ids, rows = grouped_rows(ids, rows, accumulate_duplicates, group, search)
-    new_rows = update_rows(rows, *(gather(t, ids) for t in tables), ids=ids)
-    return tuple(scatter(t, ids, new) for t, new in zip(tables, new_rows))
+    new_rows = update_rows(rows, *[gather(t, ids) for t in tables], ids=ids)
+    return [scatter(t, ids, ops.cast(new, t.dtype)) for t, new in zip(tables, new_rows)]

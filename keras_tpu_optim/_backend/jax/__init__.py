@@ -256,13 +256,11 @@ class _Lookup(neutral.LookupEvaluation):
         return table.at[ids].get(mode="fill")
 
     def write_rows(self, targets, ids, new_rows):
-        return tuple(rows.scatter(t, ids, r) for t, r in zip(targets, new_rows))
+        return [rows.scatter(t, ids, r.astype(t.dtype)) for t, r in zip(targets, new_rows)]
 
     def unless_nonfinite(self, finite, write, ids, targets, every_row, name):
         # Functionally: ids past the table, whose writes are dropped (the cost stays the rows'); or, where
         # every row is written, the old tables selected.
-        if finite is None:
-            return write(ids)
         if every_row:
             return tuple(jax.numpy.where(finite, n, t) for n, t in zip(write(ids), targets))
         return write(jax.numpy.where(finite, ids, targets[0].shape[0]))

@@ -3,6 +3,8 @@ a static capacity in a `lax.while_loop`), with static shapes (docs/algorithms.md
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import sparse as jax_sparse
@@ -82,18 +84,8 @@ def gather(table, ids):
 
 
 def scatter(table, ids, rows):
-    return table.at[ids].set(rows.astype(table.dtype), mode="drop")
+    return table.at[ids].set(rows, mode="drop")
 
 
-def sparse_row_update(update_rows, ids, rows, tables, *, accumulate_duplicates):
-    """`sparse_rows.sparse_row_update` of JAX arrays: the new tables. Ids out of range are dropped
-    (`sparse_rows.in_table`: JAX's indexing would wrap a negative one)."""
-    return sparse_rows.sparse_row_update(
-        update_rows,
-        sparse_rows.in_table(ids, tables[0].shape[0]),
-        rows,
-        tables,
-        accumulate_duplicates=accumulate_duplicates,
-        gather=gather,
-        scatter=scatter,
-    )
+# `sparse_rows.sparse_row_update` of JAX arrays: the new tables.
+sparse_row_update = functools.partial(sparse_rows.sparse_row_update, gather=gather, scatter=scatter)

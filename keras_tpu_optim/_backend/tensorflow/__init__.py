@@ -7,18 +7,19 @@ import functools
 
 import tensorflow as tf
 
-from keras_tpu_optim import _private
 from keras_tpu_optim._backend import neutral
 from keras_tpu_optim._backend.tensorflow import accumulation, rows
 from keras_tpu_optim._backend.tensorflow._compile import (
     compiled_function,
     compiling_helps,
     native_variable,
+    platform_of,
 )
 from keras_tpu_optim._backend.tensorflow.gradients import (
     checked_gradient,
     densify,
     gradient_values,
+    sparse_entries,
     unscale,
 )
 from keras_tpu_optim._backend.tensorflow.adafactor import adafactor_step
@@ -47,36 +48,22 @@ def _not_lifted(next_creator, **kwargs):
     return next_creator(**kwargs)
 
 
-def platform_of(variable) -> str:
-    device = getattr(variable, "device", "") or ""
-    if device:
-        return tf.DeviceSpec.from_string(device).device_type.lower() or "cpu"
-    # Not placed yet: where TF would place it.
-    for kind in ("TPU", "GPU"):
-        if tf.config.list_logical_devices(kind):
-            return kind.lower()
-    return "cpu"
-
-
 def embedding_adam_step(
     gradient, variable, slots, update_rows, *, lazy, accumulate_duplicates, max_touched_rows, cache
 ):
-    if not lazy:
-        neutral.dense_row_update(update_rows, densify(gradient), variable, slots)
-    elif not _private.in_stateless_scope() and rows.compiled_update_applies(gradient):
-        rows.compiled_lazy_row_update(
-            cache,
+    if isinstance(gradient, tf.IndexedSlices):
+        rows.sparse_step(
+            [variable, *slots],
+            *sparse_entries(gradient),
             update_rows,
-            gradient,
-            variable,
-            slots,
+            lazy=lazy,
             accumulate_duplicates=accumulate_duplicates,
-            by_kernels=rows.scatters_by_kernels(variable, platform_of(native_variable(variable))),
+            cache=cache,
         )
+    elif lazy:
+        rows.dense_row_update(update_rows, gradient, variable, slots)
     else:
-        rows.lazy_row_update(
-            update_rows, gradient, variable, slots, accumulate_duplicates=accumulate_duplicates
-        )
+        neutral.dense_row_update(update_rows, gradient, variable, slots)
 
 
 def dense_ids(ids, weights, width):
@@ -144,7 +131,7 @@ class _Lookup(neutral.LookupEvaluation):
         return tf.convert_to_tensor(iterations.value)
 
     def unless_nonfinite(self, finite, write, ids, targets, every_row, name):
-        if finite is not None and tf.distribute.get_strategy().num_replicas_in_sync > 1:
+        if tf.distribute.get_strategy().num_replicas_in_sync > 1:
             raise ValueError(
                 f"keras_tpu_optim.layers.Embedding '{name}' with `optimizer`: skipping a non-finite step "
                 "(`skip_nonfinite_updates=True` in its optimizer or the model's, or the model's "
@@ -175,10 +162,7 @@ class _Lookup(neutral.LookupEvaluation):
                 tf.IndexedSlices(tf.cast(new, target.dtype), ids)
             )
 
-    embedding_adam_step = staticmethod(embedding_adam_step)
-
-    def sparse_gradient(self, ids, values, table, lazy):
-        return tf.IndexedSlices(values, ids, tf.shape(table.value, out_type=ids.dtype))
+    sparse_step = staticmethod(rows.sparse_step)
 
 
 # The strategies whose replicas each hold a whole copy of every variable (`only_first_replica` writes).

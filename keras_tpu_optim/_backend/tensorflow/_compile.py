@@ -35,3 +35,14 @@ def compiled_function(cache, key, make, *, xla: bool = True):
         function = tf.function(make(), autograph=False, **kind)
         functions[key] = function
     return function
+
+
+def platform_of(variable) -> str:
+    device = getattr(native_variable(variable), "device", "") or ""
+    if device:
+        return tf.DeviceSpec.from_string(device).device_type.lower() or "cpu"
+    # Not placed yet: where TF would place it.
+    for kind in ("TPU", "GPU"):
+        if tf.config.list_logical_devices(kind):
+            return kind.lower()
+    return "cpu"

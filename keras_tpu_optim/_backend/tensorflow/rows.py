@@ -2,95 +2,107 @@
 
 from __future__ import annotations
 
+import functools
+
 import tensorflow as tf
 
+from keras_tpu_optim import _private
+from keras_tpu_optim._backend import neutral
 from keras_tpu_optim._math import sparse_rows
 from keras_tpu_optim._backend.tensorflow._compile import (
     compiled_function,
     compiling_helps,
     native_variable,
+    platform_of,
 )
-from keras_tpu_optim._backend.tensorflow.gradients import in_table, sparse_entries
+from keras_tpu_optim._backend.tensorflow.gradients import in_table
 from keras_tpu_optim._math import embedding_adam as adam_math
 
 
-def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplicates):
-    """Update only the rows present in `gradient` by `update_rows` (an `adam_math.RowUpdate`); duplicate ids
-    summed (`accumulate_duplicates`) or the last occurrence kept. Untouched rows keep their bits."""
-    targets = [native_variable(variable)] + [native_variable(s) for s in slots]
-    if isinstance(gradient, tf.IndexedSlices):
-        entries = in_table(*sparse_entries(gradient), tf.shape(targets[0])[0])
-        sparse_row_update(update_rows, *entries, targets, accumulate_duplicates)
+def sparse_step(targets, ids, values, update_rows, *, lazy, accumulate_duplicates, cache):
+    """EmbeddingAdam's step of `targets` (the table, then its slots) with the sparse gradient `(ids, values)`,
+    in place: duplicate ids summed (`accumulate_duplicates`) or the last occurrence kept, ids outside the
+    table dropped, untouched rows keeping their bits. Outside XLA and `tf.distribute`, one XLA computation
+    (eagerly its entries padded to a bucket, the options' numbers its arguments), the ids numbered by TF's
+    hash before it; a half-width table on CPU is grouped, gathered and scattered by TF's kernels around
+    it (`scatters_by_kernels`). Without `lazy`, every row steps."""
+    targets = [native_variable(t) for t in targets]
+    ids, values = in_table(ids, values, tf.shape(targets[0], out_type=ids.dtype)[0])
+    if not lazy:
+        dense = tf.math.unsorted_segment_sum(
+            values, ids, tf.shape(targets[0], out_type=ids.dtype)[0]
+        )
+        neutral.dense_row_update(update_rows, dense, targets[0], targets[1:])
         return
-    ids = tf.cast(tf.where(adam_math.touched_row_mask(gradient))[:, 0], tf.int32)
-    new_rows = update_rows(tf.gather(gradient, ids), *(tf.gather(t, ids) for t in targets), ids=ids)
-    for target, new in zip(targets, new_rows):
-        _scatter(target, ids, new)
-
-
-def sparse_row_update(update_rows, indices, values, targets, accumulate_duplicates, group=None):
-    """`sparse_rows.sparse_row_update` in place, the ids ranked by an argsort (`id_ranks`) under XLA."""
-    options = dict(gather=tf.gather, scatter=_scatter, group=group, search=False)
-    sparse_rows.sparse_row_update(
-        update_rows,
-        indices,
-        values,
-        targets,
-        accumulate_duplicates=accumulate_duplicates,
-        **options,
-    )
-
-
-def _scatter(target, ids, rows):
-    target.scatter_update(tf.IndexedSlices(tf.cast(rows, target.dtype), ids))
-    return target
-
-
-def compiled_update_applies(gradient) -> bool:
-    """Whether `compiled_lazy_row_update` takes this gradient: an IndexedSlices outside XLA and tf.distribute."""
-    return isinstance(gradient, tf.IndexedSlices) and compiling_helps()
-
-
-def scatters_by_kernels(variable, platform) -> bool:
-    """Whether `compiled_lazy_row_update` leaves the gathers and scatters to TF's kernels: a
-    bfloat16/float16 table on CPU, whose scatter XLA's CPU backend evaluates in float32 through a copy
-    of the whole table (TF's kernels scatter its rows in place)."""
-    half = tf.as_dtype(native_variable(variable).dtype) in (tf.bfloat16, tf.float16)
-    return half and platform == "cpu"
-
-
-def compiled_lazy_row_update(
-    cache, update_rows, gradient, variable, slots, *, accumulate_duplicates, by_kernels=False
-):
-    """`sparse_row_update` of an IndexedSlices gradient outside XLA, as one XLA computation (eagerly its
-    entries padded to a bucket, the options' numbers arguments); with `by_kernels` TF's kernels group,
-    gather and scatter the rows and the computation computes the new rows alone."""
+    if _private.in_stateless_scope() or not compiling_helps():
+        _sparse_row_update(
+            update_rows, ids, values, targets, accumulate_duplicates=accumulate_duplicates
+        )
+        return
     structure, arguments = update_rows.split()
-    targets = [native_variable(variable)] + [native_variable(s) for s in slots]
-    indices, values = in_table(*sparse_entries(gradient), tf.shape(targets[0])[0])
     if tf.executing_eagerly():
-        indices, values = sparse_rows.padded(indices, values)
+        ids, values = sparse_rows.padded(ids, values)
     # The ids numbered by TF's hash, outside XLA: a fraction of the cost of XLA's sort.
-    _, group = tf.unique(indices)
-    if by_kernels:
+    group = tf.unique(ids).idx
+    if scatters_by_kernels(targets[0]):
         compute = compiled_function(
             cache, ("row_values", structure), lambda: _compilable_rows(structure)
         )
-        update_rows = lambda grad_rows, *rows, ids: compute(grad_rows, rows, ids, arguments)
-        sparse_row_update(update_rows, indices, values, targets, accumulate_duplicates, group)
+        _sparse_row_update(
+            lambda grad_rows, *rows, ids: compute(grad_rows, rows, ids, arguments),
+            ids,
+            values,
+            targets,
+            accumulate_duplicates=accumulate_duplicates,
+            group=group,
+        )
         return
     update = compiled_function(
         cache,
         ("lazy_row_update", structure, accumulate_duplicates),
         lambda: _compilable_update(structure, accumulate_duplicates),
     )
-    update(indices, group, values, targets, arguments)
+    update(ids, group, values, targets, arguments)
+
+
+def dense_row_update(update_rows, gradient, variable, slots):
+    """The lazy step of a dense gradient: its touched rows (`touched_row_mask`) updated in place."""
+    targets = [native_variable(variable)] + [native_variable(s) for s in slots]
+    ids = tf.cast(tf.where(adam_math.touched_row_mask(gradient))[:, 0], tf.int32)
+    new_rows = update_rows(tf.gather(gradient, ids), *(tf.gather(t, ids) for t in targets), ids=ids)
+    for target, new in zip(targets, new_rows):
+        _scatter(target, ids, new)
+
+
+def _scatter(target, ids, rows):
+    target.scatter_update(tf.IndexedSlices(rows, ids))
+    return target
+
+
+# `sparse_rows.sparse_row_update` in place, the ids ranked by an argsort (`id_ranks`) under XLA.
+_sparse_row_update = functools.partial(
+    sparse_rows.sparse_row_update, gather=tf.gather, scatter=_scatter, search=False
+)
+
+
+def scatters_by_kernels(table) -> bool:
+    """Whether `sparse_step` leaves the gathers and scatters to TF's kernels: a bfloat16/float16 table on CPU,
+    whose scatter XLA's CPU backend evaluates in float32 through a copy of the whole table (TF's kernels
+    scatter its rows in place)."""
+    return tf.as_dtype(table.dtype) in (tf.bfloat16, tf.float16) and platform_of(table) == "cpu"
 
 
 def _compilable_update(structure, accumulate_duplicates):
     def row_step(indices, group, values, targets, arguments):
         update_rows = adam_math.RowUpdate.joined(structure, arguments)
-        sparse_row_update(update_rows, indices, values, targets, accumulate_duplicates, group)
+        _sparse_row_update(
+            update_rows,
+            indices,
+            values,
+            targets,
+            accumulate_duplicates=accumulate_duplicates,
+            group=group,
+        )
 
     return row_step
 

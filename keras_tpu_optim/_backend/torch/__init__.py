@@ -203,8 +203,6 @@ class _Lookup(neutral.LookupEvaluation):
     (Keras's segment ops replicate the ids to the rows' shape and scatter through a reduction)."""
 
     def hook(self, forward, backward, ids, step, learning_rate, state, window, cache, name):
-        checked = not torch.compiler.is_compiling()  # else the step count here is the trace's
-        count = step  # the step count's tensor, whose in-place version tells a second update
         window_before = None if window is None else window.value
         saved = []  # the forward pass's residuals, for the backward pass
 
@@ -215,17 +213,11 @@ class _Lookup(neutral.LookupEvaluation):
             saved.append(residuals)
             return found
 
-        def backward_step(ids, row_gradients, loss_scale, step):
-            if checked:
-                _check_one_update_per_step(cache, name, count)
-            _, _, next_step = backward(
-                saved.pop(), row_gradients, loss_scale, ids, step, learning_rate, window_before
-            )
-            if checked:
-                cache["last_update"] = (id(count), count._version)
-            return next_step
-
-        return _TrainedLookup.apply(ids, step, state[0].value, backward_step, read)
+        # The step count's tensor, whose in-place version tells a second update (`_check_one_update_per_step`);
+        # not checked under `torch.compile`, where the step count here is the trace's.
+        count = None if torch.compiler.is_compiling() else step
+        stepping = (backward, saved, learning_rate, window_before, cache, name, count)
+        return _TrainedLookup.apply(ids, step, state[0].value, stepping, read)
 
     def grouped(self, every):
         distinct, group = torch.unique(every, return_inverse=True)
@@ -244,12 +236,20 @@ class _Lookup(neutral.LookupEvaluation):
         for target, new in zip(targets, new_rows):
             target.value.index_copy_(0, ids.long(), new.to(target.value.dtype))
 
-    embedding_adam_step = staticmethod(embedding_adam_step)
-
-    def sparse_gradient(self, ids, values, table, lazy):
-        # Ids past the table (`sparse_rows.in_table`) are removed where the gradient is read (`densify`,
-        # `rows.lazy_row_update`).
-        return torch.sparse_coo_tensor(ids.long()[None], values, tuple(table.shape))
+    def sparse_step(self, targets, ids, values, update_rows, *, lazy, accumulate_duplicates, cache):
+        if not lazy:
+            # Ids past the table are removed where the gradient is read (`densify`).
+            gradient = torch.sparse_coo_tensor(ids.long()[None], values, tuple(targets[0].shape))
+            neutral.dense_row_update(update_rows, densify(gradient), targets[0], targets[1:])
+            return
+        rows.sparse_row_update(
+            update_rows,
+            ids.long(),
+            values,
+            [t.value for t in targets],
+            accumulate_duplicates=accumulate_duplicates,
+            scratch=scratch_of(cache),
+        )
 
 
 trained_lookup = functools.partial(neutral.trained_lookup, evaluation=_Lookup())
@@ -257,8 +257,8 @@ trained_lookup = functools.partial(neutral.trained_lookup, evaluation=_Lookup())
 
 class _TrainedLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ids, step, table, backward_step, read):
-        ctx.backward_step = backward_step
+    def forward(ctx, ids, step, table, stepping, read):
+        ctx.stepping = stepping
         ctx.save_for_backward(ids, step)
         found = read(ids, step)
         return found, found.new_zeros((), dtype=torch.float32)
@@ -266,8 +266,15 @@ class _TrainedLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, row_gradients, loss_scale):
         ids, step = ctx.saved_tensors
+        backward, saved, learning_rate, window, cache, name, count = ctx.stepping
+        if count is not None:
+            _check_one_update_per_step(cache, name, count)
         with torch.no_grad():
-            next_step = ctx.backward_step(ids, row_gradients, loss_scale, step)
+            _, _, next_step = backward(
+                saved.pop(), row_gradients, loss_scale, ids, step, learning_rate, window
+            )
+        if count is not None:
+            cache["last_update"] = (id(count), count._version)
         return None, next_step, None, None, None
 
 

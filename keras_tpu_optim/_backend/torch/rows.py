@@ -96,20 +96,33 @@ def scaled_norms_apply(device_type: str) -> bool:
 def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplicates, scratch):
     """Update only the rows present in `gradient` (sparse COO indices, or a dense gradient's non-zero rows) by
     `update_rows` (an `adam_math.RowUpdate`); duplicate ids summed (`accumulate_duplicates`) or the last kept."""
+    targets = [variable.value] + [s.value for s in slots]
     if gradient.is_sparse:
-        entries = in_table(*_private.torch_sparse_entries(gradient), gradient.shape[0])
-        ids, grad_rows = unique_rows(*entries, accumulate_duplicates, scratch)
-    elif torch.compiler.is_compiling():
-        masked_row_update(update_rows, gradient, [variable.value] + [s.value for s in slots])
+        sparse_row_update(
+            update_rows,
+            *_private.torch_sparse_entries(gradient),
+            targets,
+            accumulate_duplicates=accumulate_duplicates,
+            scratch=scratch,
+        )
         return
-    else:
-        ids = touched_rows(gradient, scratch)
-        shape = (ids.shape[0],) + tuple(gradient.shape[1:])
-        out = scratch.empty(shape, GRADIENT_SLOT, gradient.dtype, gradient.device)
-        grad_rows = torch.index_select(gradient, 0, ids, out=out)
+    if torch.compiler.is_compiling():
+        masked_row_update(update_rows, gradient, targets)
+        return
+    ids = touched_rows(gradient, scratch)
+    shape = (ids.shape[0],) + tuple(gradient.shape[1:])
+    out = scratch.empty(shape, GRADIENT_SLOT, gradient.dtype, gradient.device)
     update_in_place(
-        update_rows, ids, grad_rows, [variable.value] + [s.value for s in slots], scratch
+        update_rows, ids, torch.index_select(gradient, 0, ids, out=out), targets, scratch
     )
+
+
+def sparse_row_update(update_rows, indices, values, targets, *, accumulate_duplicates, scratch):
+    """Update the rows of the tensors `targets` named by the sparse entries `(indices, values)`, those past the
+    table dropped; duplicate ids summed (`accumulate_duplicates`) or the last kept."""
+    entries = in_table(indices, values, targets[0].shape[0])
+    ids, grad_rows = unique_rows(*entries, accumulate_duplicates, scratch)
+    update_in_place(update_rows, ids, grad_rows, targets, scratch)
 
 
 def masked_row_update(update_rows, gradient, targets):
