@@ -17,7 +17,7 @@ trained lookup's backward pass: TF `_Lookup.hook.<locals>.hooked.<locals>.gradie
 Write primitives (the route ends at the first: a primitive called inside another is not counted):
 - keras Variable `assign`, `assign_add`, `assign_sub` (keras.src.backend.common.variables.Variable);
 - TF: `assign*` and `scatter_*` of `BaseResourceVariable` and its subclasses (ResourceVariable
-  overrides `assign*`);
+  overrides `assign*`), and their functional forms `tf.compat.v1.scatter_update` etc.;
 - torch: in-place tensor ops (`copy_`, `sub_`, `index_copy_`, `_foreach_*_`, `__setitem__`, `out=`...)
   seen by a TorchFunctionMode, kept where the first caller frame outside torch is a package frame and
   the target (or its first list element) shares storage with a variable of the scenario (the model's,
@@ -126,7 +126,7 @@ class Recorder:
             at = next((i for i, f in enumerate(frames) if f.f_code is entry), None)
             if at is not None:
                 inner = [name_of(f.f_code) for f in reversed(frames[:at]) if in_package(f)]
-                if not in_package(caller):  # reached through framework frames
+                if not caller.f_code.co_filename.startswith(PKG):  # through framework frames
                     primitive += f" (via {os.path.basename(caller.f_code.co_filename)}:{caller.f_code.co_name})"
                 (self.compiled if compiled else self.routes).add(
                     (name_of(entry), *inner, primitive)
@@ -194,6 +194,27 @@ if BACKEND == "tensorflow":
             for method in list(vars(cls)):
                 if method.startswith(("assign", "scatter_", "batch_scatter_update")):
                     patch(cls, method, f"tf.Variable.{method}")
+    # The functional forms, which run the variable's op without its methods.
+    for name in (
+        "scatter_update",
+        "scatter_add",
+        "scatter_sub",
+        "assign",
+        "assign_sub",
+        "assign_add",
+    ):
+        original = getattr(tf.compat.v1, name)
+
+        def noted(ref, *args, _original=original, _label=f"tf.compat.v1.{name}", **kwargs):
+            if R.routes is not None and R.depth == 0:
+                R.note(_label, sys._getframe(1))
+            R.depth += 1
+            try:
+                return _original(ref, *args, **kwargs)
+            finally:
+                R.depth -= 1
+
+        setattr(tf.compat.v1, name, noted)
 elif BACKEND == "jax":
     import jax
     from jax._src.numpy import array_methods

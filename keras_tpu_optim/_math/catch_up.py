@@ -185,8 +185,10 @@ def looked_up(tables, ids, group, distinct, slot, step, window, options):
     weight, momenta, velocities, row_steps = tables
     rows = (ops.cast(x, "float32") for x in (weight, momenta, velocities))
     rows = caught_up(*rows, row_steps, step, window, options)
-    # The lookup's ids are the last of `every` (`read_ids`).
-    found = ops.take(rows[0], group[ops.shape(group)[0] - ops.size(ids) :], axis=0)
+    # The lookup's ids are the last of `every` (`read_ids`); their count from the shape (`ops.size` would be
+    # read back from a device).
+    count = ops.shape(ops.reshape(ids, (-1,)))[0]
+    found = ops.take(rows[0], group[ops.shape(group)[0] - count :], axis=0)
     found = ops.cast(ops.reshape(found, ops.shape(ids) + tuple(weight.shape[1:])), weight.dtype)
     return found, (distinct, group, slot, rows + (row_steps,))
 

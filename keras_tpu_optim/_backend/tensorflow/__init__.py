@@ -139,7 +139,7 @@ class _Lookup(neutral.LookupEvaluation):
                 f"({type(tf.distribute.get_strategy()).__name__}): the skip is a condition around the replicas' "
                 "writes, which TF's strategies do not allow. Unset it, or train on one device."
             )
-        return super().unless_nonfinite(finite, write, ids, targets, every_row, name)
+        tf.cond(finite, functools.partial(write, ids), lambda: None)
 
     def grouped(self, every):
         if compiling_helps():

@@ -94,14 +94,15 @@ def scatters_by_kernels(table) -> bool:
 
 def _compilable_update(structure, accumulate_duplicates):
     def row_step(indices, group, values, targets, arguments):
-        update_rows = adam_math.RowUpdate.joined(structure, arguments)
+        # No strategy here (`compiling_helps`): the tf.Variables' own scatter.
         _sparse_row_update(
-            update_rows,
+            adam_math.RowUpdate.joined(structure, arguments),
             indices,
             values,
             targets,
             accumulate_duplicates=accumulate_duplicates,
             group=group,
+            scatter=tf.compat.v1.scatter_update,
         )
 
     return row_step
