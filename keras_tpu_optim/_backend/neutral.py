@@ -93,23 +93,16 @@ def adafactor_step(
     )
 
 
-def adafactor_step_of_values(arguments, structure, evaluation, assign, assign_sub=None):
-    """`adafactor_step` of `(gradient, variable, slots, momentum, learning_rate, step, variable_index,
-    option_values)`, the options joined from their values (`adafactor_math.split_options`): the step a
-    compiled function traces once for every value of the numbers."""
-    gradient, variable, slots, momentum, learning_rate, step, variable_index, values = arguments
-    adafactor_step(
-        gradient,
-        variable,
-        slots,
-        momentum,
+def step_numbers(numbers, structure) -> dict:
+    """The keywords of `adafactor_step` from a compiled step's arguments `(learning_rate, step,
+    variable_index, option_values)`, the options joined from their values (`adafactor_math.split_options`):
+    one trace serves every value of the numbers."""
+    learning_rate, step, variable_index, values = numbers
+    return dict(
         learning_rate=learning_rate,
         step=step,
         options=adafactor_math.joined_options(structure, values),
         variable_index=variable_index,
-        evaluation=evaluation,
-        assign=assign,
-        assign_sub=assign_sub,
     )
 
 

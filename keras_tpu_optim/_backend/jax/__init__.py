@@ -167,10 +167,13 @@ def _adafactor_update(structure, evaluation):
 
     def adafactor_values(*arguments):
         new = {}  # The neutral step, functionally: each array's new value by its identity.
-        neutral.adafactor_step_of_values(
-            arguments, structure, evaluation, assign=lambda t, value: new.__setitem__(id(t), value)
-        )
         _, variable, slots, momentum = arguments[:4]
+        neutral.adafactor_step(
+            *arguments[:4],
+            **neutral.step_numbers(arguments[4:], structure),
+            evaluation=evaluation,
+            assign=lambda t, value: new.__setitem__(id(t), value),
+        )
         return (
             new[id(variable)],
             tuple(new[id(s)] for s in slots),

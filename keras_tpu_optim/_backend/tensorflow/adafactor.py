@@ -165,16 +165,19 @@ def assigning_step(
         evaluation = blocks.Blocked(
             tuple(variable.shape), GRAPH_CPU_EVALUATION, _after, chunk_elements
         )
-    assignments = []
-    neutral.adafactor_step_of_values(
-        (grad, variable, slots, momentum, learning_rate, step, variable_index, option_values),
-        structure,
-        evaluation,
-        assign=lambda t, value: assignments.append(t.assign(value, read_value=False)),
-        assign_sub=lambda t, value: assignments.append(t.assign_sub(value, read_value=False)),
+    # Each variable's own assignment: the compiled function returns once they have run (its stateful ops
+    # are its control outputs).
+    neutral.adafactor_step(
+        grad,
+        variable,
+        slots,
+        momentum,
+        **neutral.step_numbers((learning_rate, step, variable_index, option_values), structure),
+        evaluation=evaluation,
+        assign=tf.compat.v1.assign,
+        assign_sub=tf.compat.v1.assign_sub,
     )
-    with tf.control_dependencies([op for op in assignments if op is not None]):
-        return tf.zeros([])
+    return tf.zeros([])
 
 
 def _after(dependency):
