@@ -93,6 +93,11 @@ def adafactor_step(
     )
 
 
+def nothing():
+    """The branch of a condition that does nothing."""
+    return None
+
+
 def step_numbers(numbers, structure) -> dict:
     """The keywords of `adafactor_step` from a compiled step's arguments `(learning_rate, step,
     variable_index, option_values)`, the options joined from their values (`adafactor_math.split_options`):
@@ -164,10 +169,11 @@ class LookupEvaluation:
         raise NotImplementedError
 
     def unless_nonfinite(self, finite, write, ids, targets, every_row, name):
-        """`write(ids)`, the backward pass's writes into `targets` at `ids` (`every_row`: all of them), made
-        only where `finite` holds (`name`: the layer's, for errors): here in place, under a condition (eager
-        torch reads `finite` on the host, as the optimizers' `skip_nonfinite_updates` does)."""
-        ops.cond(finite, functools.partial(write, ids), lambda: None)
+        """A call of no arguments making `write(ids)`, the backward pass's writes into `targets` at `ids`
+        (`every_row`: all of them), only where `finite` holds (`name`: the layer's, for errors), and
+        returning what `write` returns: here in place, under a condition (eager torch reads `finite` on the
+        host, as the optimizers' `skip_nonfinite_updates` does)."""
+        return functools.partial(ops.cond, finite, functools.partial(write, ids), nothing)
 
     def sparse_step(self, targets, ids, values, update_rows, *, lazy, accumulate_duplicates, cache):
         """EmbeddingAdam's step of the `targets` (the table, its slots) with the sparse gradient `(ids,
@@ -274,11 +280,12 @@ def trained_lookup(
         )
         finite = ops.all(ops.isfinite(row_gradients)) if skip_nonfinite else None
         if finite is None:
-            new_tables = write(written_ids)
+            write = functools.partial(write, written_ids)
         else:
-            new_tables = ev.unless_nonfinite(finite, write, written_ids, targets, every_row, name)
-            if window is not None:
-                new_window = ops.where(finite, new_window, window_value)
+            write = ev.unless_nonfinite(finite, write, written_ids, targets, every_row, name)
+        new_tables = write()
+        if finite is not None and window is not None:
+            new_window = ops.where(finite, new_window, window_value)
         if window is not None:
             ev.write_window(window, new_window)
         return new_tables, new_window, next_step(step, finite)

@@ -265,8 +265,8 @@ class _Lookup(neutral.LookupEvaluation):
         # Functionally: ids past the table, whose writes are dropped (the cost stays the rows'); or, where
         # every row is written, the old tables selected.
         if every_row:
-            return tuple(jax.numpy.where(finite, n, t) for n, t in zip(write(ids), targets))
-        return write(jax.numpy.where(finite, ids, targets[0].shape[0]))
+            return lambda: [jax.numpy.where(finite, n, t) for n, t in zip(write(ids), targets)]
+        return functools.partial(write, jax.numpy.where(finite, ids, targets[0].shape[0]))
 
     def sparse_step(self, targets, ids, values, update_rows, *, lazy, accumulate_duplicates, cache):
         if lazy:

@@ -139,7 +139,7 @@ class _Lookup(neutral.LookupEvaluation):
                 f"({type(tf.distribute.get_strategy()).__name__}): the skip is a condition around the replicas' "
                 "writes, which TF's strategies do not allow. Unset it, or train on one device."
             )
-        tf.cond(finite, functools.partial(write, ids), lambda: None)
+        return functools.partial(tf.cond, finite, functools.partial(write, ids), neutral.nothing)
 
     def grouped(self, every):
         if compiling_helps():
