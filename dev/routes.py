@@ -43,6 +43,9 @@ Output, one line per scenario: `backend scenario length: entry -> f1 -> ... -> p
     KERAS_BACKEND=jax .venv/bin/python dev/routes.py
     KERAS_BACKEND=tensorflow .venv/bin/python dev/routes.py
     KERAS_BACKEND=torch .venv/bin/python dev/routes.py
+
+With `--max N` the exit status is 1 where a route (or the route traced inside a compiled function) is
+longer than N calls, or a scenario raises or writes nothing (tests/test_routes.py runs `--max 5`).
 """
 
 import functools
@@ -309,19 +312,23 @@ def measure(scenario, step, variables, entries, steps=3):
         print(
             f"{BACKEND} {scenario} ERROR: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
         )
+        FAILED.append(scenario)
         return
-    note, routes = "", recorded[-1]
+    note, routes, inner = "", recorded[-1], 0
     first = next((i for i, r in enumerate(recorded) if r), None)
     if not routes and compiled:  # the write runs inside a compiled function, without Python
         routes = compiled
+        if first is not None:
+            inner = max(len(r) for r in recorded[first]) - 1
         note = "  [write inside the compiled function; " + (
-            f"traced at step {first + 1}: {max(len(r) for r in recorded[first]) - 1}]"
+            f"traced at step {first + 1}: {inner}]"
             if first is not None
             else "traced before this scenario (TF's eager compiled functions are shared)]"
         )
     elif not routes:
         if first is None:
             print(f"{BACKEND} {scenario} -: no write captured in {steps} steps")
+            FAILED.append(scenario)
             return
         routes, note = recorded[first], f"  [traced at step {first + 1}; step {steps} ran compiled]"
     longest = max(routes, key=lambda r: (len(r), r))
@@ -330,6 +337,8 @@ def measure(scenario, step, variables, entries, steps=3):
         note += f"  [step 1, tracing: longest {len(traced) - 1}, {len(recorded[0])} routes]"
     if longest[0] == name_of(GROUPED):
         note += "  (entry _backend_update_step: update_step not on the stack)"
+    if MAX is not None and max(len(longest) - 1, inner) > MAX:
+        FAILED.append(scenario)
     print(
         f"{BACKEND} {scenario} {len(longest) - 1}: {' -> '.join(longest)}  [{len(routes)} routes]{note}"
     )
@@ -462,5 +471,14 @@ def main():
     )
 
 
+# `--max N`: exit with status 1 where a route is longer than N calls, a scenario fails or writes nothing.
+MAX = int(sys.argv[sys.argv.index("--max") + 1]) if "--max" in sys.argv else None
+FAILED: list = []
+
 if __name__ == "__main__":
     main()
+    if FAILED:
+        print(
+            f"{BACKEND}: {len(FAILED)} scenario(s) over --max {MAX} or failing: {', '.join(FAILED)}"
+        )
+        sys.exit(1)
