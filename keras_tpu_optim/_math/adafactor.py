@@ -148,7 +148,7 @@ class Evaluation:
 NEUTRAL = Evaluation()
 
 
-def clip_factor(update_square_sum, numel, clip_threshold, evaluation=NEUTRAL):
+def clip_factor(update_square_sum, numel, clip_threshold, evaluation):
     """`1 / max(1, RMS(u) / d)`, the update clipping of the paper (section 6), of `u`'s `numel` elements:
     `min(1, d sqrt(numel) / sqrt(sum(u^2)))` (a sum of zero clips nothing)."""
     return evaluation.at_most(ops.rsqrt(update_square_sum) * (clip_threshold * numel**0.5), 1.0)

@@ -27,11 +27,10 @@ def sparse_step(targets, ids, values, update_rows, *, lazy, accumulate_duplicate
     hash before it; a half-width table on CPU is grouped, gathered and scattered by TF's kernels around
     it (`scatters_by_kernels`). Without `lazy`, every row steps."""
     targets = [native_variable(t) for t in targets]
-    ids, values = in_table(ids, values, tf.shape(targets[0], out_type=ids.dtype)[0])
+    num_rows = tf.shape(targets[0], out_type=ids.dtype)[0]
+    ids, values = in_table(ids, values, num_rows)
     if not lazy:
-        dense = tf.math.unsorted_segment_sum(
-            values, ids, tf.shape(targets[0], out_type=ids.dtype)[0]
-        )
+        dense = tf.math.unsorted_segment_sum(values, ids, num_rows)
         neutral.dense_row_update(update_rows, dense, targets[0], targets[1:])
         return
     if _private.in_stateless_scope() or not compiling_helps():

@@ -13,13 +13,13 @@ from keras_tpu_optim._math import adafactor as adafactor_math
 
 
 class TorchEvaluation(adafactor_math.Evaluation):
-    """Sums and means of squares from one square written into its own buffer, kept for the weighted sum of
-    the same array that follows (a step's evaluation is its own); a whole contiguous tensor's root mean
-    square as a norm, a group's as one norm a member; constant bounds as scalars."""
+    """Sums and means of squares from one square written into its own buffer, the means' kept for the
+    weighted sum of the same array that follows (a step's evaluation is its own); a whole contiguous
+    tensor's root mean square as a norm, a group's as one norm a member; constant bounds as scalars."""
 
     def __init__(self, batch_dims: int = 0):
         self.batch_dims = batch_dims
-        self._square = None  # (x, x^2) of the last `square_sums`
+        self._square = None  # (x, x^2) of the last `square_means`
 
     def root_mean_square(self, x, numel):
         if isinstance(x, list):  # a group's parameters, not stacked
@@ -32,7 +32,6 @@ class TorchEvaluation(adafactor_math.Evaluation):
         if tuple(axes) == (None,) and not self.batch_dims and x.is_contiguous():
             return (torch.linalg.vector_norm(x).square_(),)
         square = torch.mul(x, x)
-        self._square = (x, square)
         return tuple(self.sum(square, axis) for axis in axes)
 
     def square_means(self, x, axes):
