@@ -220,7 +220,8 @@ class _Lookup(neutral.LookupEvaluation):
         return _TrainedLookup.apply(ids, step, state[0].value, stepping, read)
 
     def grouped(self, every):
-        distinct, group = torch.unique(every, return_inverse=True)
+        # int64 ids, which torch's gathers and scatters take (`long()` is then no copy).
+        distinct, group = torch.unique(every.long(), return_inverse=True)
         return group, distinct, None
 
     def gather(self, table, ids):
