@@ -39,14 +39,20 @@ def _fmix(h):
     return h
 
 
-def reference_bits(shape, seed, step, variable_index):
-    """The contract's hash in unsigned arithmetic: fmix32 rounds keyed by seed, step, variable, then element."""
+def reference_bits(shape, seed, step, variable_index, rows=None):
+    """The contract's hash in unsigned arithmetic: fmix32 rounds keyed by seed, step, variable, then the
+    element's row (its index along axis 0, or `rows`), then half a round for its place in the row."""
     key = _fmix(seed)
     key = _fmix(key ^ ((step + 0x68E31DA4) & MASK))
     key = _fmix(key ^ ((variable_index + 0x1B56C4E9) & MASK))
-    index = np.arange(int(np.prod(shape)), dtype=np.uint64).reshape(shape)
-    h = _fmix((index * 0x9E3779B9 + key) & MASK)
-    return _fmix(h ^ _fmix(key ^ 0x5BD1E995)).astype(np.uint32)
+    shape = tuple(shape)
+    full = shape or (1,)
+    row = np.arange(full[0], dtype=np.uint64) if rows is None else np.asarray(rows, np.uint64)
+    column = np.arange(int(np.prod(full[1:])), dtype=np.uint64)
+    row_key = _fmix((row * 0x9E3779B9 + key) & MASK)
+    h = (row_key[:, None] + ((column * 0x5BD1E995) & MASK)[None, :]) & MASK
+    h = ((h ^ (h >> 16)) * 0x85EBCA6B) & MASK
+    return (h ^ (h >> 16)).astype(np.uint32).reshape(shape)
 
 
 def reference_round(x, dtype, seed, step, variable_index):
@@ -69,7 +75,7 @@ def reference_round(x, dtype, seed, step, variable_index):
     if dtype == "float16":
         # Below 2^-14 the float16 grid is the multiples of 2^-24: up with probability frac(|x| * 2^24).
         scaled = np.abs(x).astype(np.float64) * 2.0**24
-        uniform = (bits >> 8).astype(np.float64) / 2.0**24
+        uniform = (bits & 0xFFFFFF).astype(np.float64) / 2.0**24
         tiny = (np.floor(scaled) + (uniform < scaled - np.floor(scaled))) / 2.0**24
         rounded = np.where(np.abs(x) < 2.0**-14, np.copysign(tiny, x).astype(np.float32), rounded)
     rounded = np.where(np.isfinite(x), rounded, x)
@@ -139,7 +145,14 @@ def test_random_bits_match_the_unsigned_hash(shape, seed, step, variable_index):
 
 def test_every_element_draws_afresh_under_every_key():
     """No element index whose bits ignore the key (a cancellation in the hash would do that)."""
-    draws = np.stack([reference_bits((64,), seed, 1, 0) for seed in range(64)])
+    draws = np.stack(
+        [
+            np.concatenate(
+                [reference_bits((64,), seed, 1, 0), reference_bits((8, 8), seed, 1, 1).ravel()]
+            )
+            for seed in range(64)
+        ]
+    )
     assert len(np.unique(draws)) == draws.size
     low = (draws & 0xFFFF) / 2.0**16
     assert np.all(np.abs(low.mean(axis=0) - 0.5) < 0.25)

@@ -284,9 +284,9 @@ def float32_update(
     )
 
 
-def rounding(options: AdafactorOptions, step, variable_index, shape, offset=0):
+def rounding(options: AdafactorOptions, step, variable_index, shape, first_row=0):
     """How a float32 result is cast to a variable's dtype: `ops.cast`, or stochastic rounding keyed by the
-    seed, `step` and the variable's index (`shape`, `offset`: as `stochastic_round`'s)."""
+    seed, `step` and the variable's index (`shape`, `first_row`: as `stochastic_round`'s)."""
     if not options.stochastic_rounding:
         return ops.cast
     return functools.partial(
@@ -295,7 +295,7 @@ def rounding(options: AdafactorOptions, step, variable_index, shape, offset=0):
         step=step,
         variable_index=variable_index,
         shape=None if shape is None else tuple(shape),
-        offset=offset,
+        first_row=first_row,
     )
 
 

@@ -220,7 +220,7 @@ def stored(new_values, dtypes, *, ids, step, variable_index, options: RowUpdateO
                 else keys[0]
             ),
             shape=shape,
-            index=None if ids is None else stochastic_rounding.row_elements(ids, shape),
+            rows=ids,
         )
         for i, stream in enumerate(streams):
             out[stream] = rounded[i] if stacked else rounded

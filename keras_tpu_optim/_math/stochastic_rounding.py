@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import keras
+import numpy as np
 from keras import ops
 
 # murmur3's 32-bit finaliser constants and the golden-ratio increment, as signed int32.
@@ -20,7 +21,11 @@ SEED_LIMIT = 1 << 31  # seeds are ints in [0, 2^31)
 
 
 def _int32(x):
-    return ops.cast(ops.convert_to_tensor(x), "int32")
+    """`x` as an int32 tensor; a constant typed, since Keras makes an int32 tensor and a Python int `floatx`
+    on JAX when that is a half dtype."""
+    if isinstance(x, (int, np.integer, np.ndarray)):
+        return ops.convert_to_tensor(x, "int32")
+    return ops.cast(x, "int32")
 
 
 def _shift_right_logical(x, bits: int):
@@ -48,20 +53,30 @@ def _mix_on_host(h: int) -> int:
     return h - (1 << 32) if h >= 1 << 31 else h
 
 
-def random_bits(shape, seed, step, variable_index, offset=0, index=None):
-    """32 random bits per element (int32 of `shape`): a hash of `(seed, step, variable_index, element index)`,
-    the index row-major plus `offset`, or `index`; `variable_index` may broadcast (bits for each)."""
+def random_bits(shape, seed, step, variable_index, first_row=0, rows=None):
+    """32 random bits per element (int32 of `shape`) from `(seed, step, variable_index)`, the element's row (its
+    index along axis 0: from `first_row` on, or `rows`) and its position in the row; `variable_index` may
+    broadcast (bits for each). A row's key is fully hashed, then each element by half a round of it (whose
+    low 24 bits, the ones rounding reads, are as good as the full round's)."""
+    shape = tuple(shape)
+    if not shape:  # a scalar: row 0 of a rank-1 variable (after `variable_index`'s axes)
+        index = ops.expand_dims(_int32(variable_index), -1)
+        return ops.squeeze(random_bits((1,), seed, step, index, first_row, rows), -1)
     key = _int32(_mix_on_host(seed)) if isinstance(seed, int) else _mix(_int32(seed))
     key = _mix(ops.bitwise_xor(key, ops.add(_int32(step), _int32(_STEP_SALT))))
     key = _mix(ops.bitwise_xor(key, ops.add(_int32(variable_index), _int32(_VARIABLE_SALT))))
-    if index is None:
-        shape = tuple(int(d) for d in shape)
-        index = ops.arange(int(offset), int(offset) + math.prod(shape), dtype="int32")
-        index = ops.reshape(index, shape)
-    h = _mix(ops.add(ops.multiply(index, _int32(_GOLDEN)), key))
-    # A second round keyed apart from the first (with `key + _GOLDEN` here,
-    # element 1 would cancel to 0 under every key).
-    return _mix(ops.bitwise_xor(h, _mix(ops.bitwise_xor(key, _int32(_ELEMENT_SALT)))))
+    if rows is None:
+        rows = ops.arange(int(first_row), int(first_row) + int(shape[0]), dtype="int32")
+    rows = ops.reshape(ops.cast(rows, "int32"), (-1,) + (1,) * (len(shape) - 1))
+    row_keys = _mix(ops.add(ops.multiply(rows, _int32(_GOLDEN)), key))
+    # Each position's salt, `position * _ELEMENT_SALT` modulo 2^32, computed on the host (a row's shape is
+    # static; the number of rows need not be).
+    row_shape = tuple(int(d) for d in shape[1:])
+    positions = np.arange(math.prod(row_shape), dtype=np.int64) * _ELEMENT_SALT & 0xFFFFFFFF
+    salts = _int32(np.reshape(positions.astype(np.uint32).view(np.int32), row_shape))
+    h = ops.add(row_keys, salts)
+    h = ops.multiply(ops.bitwise_xor(h, _shift_right_logical(h, 16)), _int32(_M1))
+    return ops.bitwise_xor(h, _shift_right_logical(h, 16))
 
 
 def _round_low_bits(x, bits, dropped: int):
@@ -76,24 +91,15 @@ def _round_low_bits(x, bits, dropped: int):
     return ops.view(rounded, "float32")
 
 
-def row_elements(ids, shape):
-    """The row-major indices (int32) in their variable of the elements of rows `ids` (`shape`: the rows'
-    shape, `(len(ids), *row_shape)`); wrapping past 2^31 elements, as uint32 arithmetic does."""
-    width = math.prod(int(d) for d in shape[1:])
-    ids = ops.reshape(ops.cast(ids, "int32"), (-1,) + (1,) * (len(shape) - 1))
-    within = ops.reshape(ops.arange(width, dtype="int32"), (1,) + tuple(int(d) for d in shape[1:]))
-    return ops.add(ops.multiply(ids, _int32(width)), within)
-
-
-def stochastic_round(x, dtype, *, seed, step, variable_index, shape=None, offset=0, index=None):
+def stochastic_round(x, dtype, *, seed, step, variable_index, shape=None, first_row=0, rows=None):
     """float32 `x` rounded stochastically and without bias to `dtype` (`bfloat16`, `float16`; others cast);
-    `shape`, `offset`, `index`: as `random_bits`' (`shape` one value's where `x` stacks several)."""
+    `shape`, `first_row`, `rows`: as `random_bits`' (`shape` one value's where `x` stacks several)."""
     dtype = keras.backend.standardize_dtype(dtype)
     if dtype not in ("bfloat16", "float16"):
         return ops.cast(x, dtype)
     x = ops.cast(x, "float32")
     bits = random_bits(
-        x.shape if shape is None else shape, seed, step, variable_index, offset, index
+        x.shape if shape is None else shape, seed, step, variable_index, first_row, rows
     )
     if dtype == "bfloat16":
         rounded = _round_low_bits(x, bits, 16)
@@ -101,8 +107,8 @@ def stochastic_round(x, dtype, *, seed, step, variable_index, shape=None, offset
         normal = _round_low_bits(x, bits, 13)
         scaled = ops.abs(x) * 2.0**24
         whole = ops.floor(scaled)
-        # The top 24 random bits as a uniform draw from [0, 1) in steps of 2^-24.
-        uniform = ops.cast(_shift_right_logical(bits, 8), "float32") * 2.0**-24
+        # The low 24 random bits as a uniform draw from [0, 1) in steps of 2^-24.
+        uniform = ops.cast(ops.bitwise_and(bits, _int32((1 << 24) - 1)), "float32") * 2.0**-24
         magnitude = (whole + ops.cast(uniform < scaled - whole, "float32")) * 2.0**-24
         subnormal = ops.where(x < 0, -magnitude, magnitude)
         subnormal = ops.where(x == 0, x, subnormal)  # -0 stays -0

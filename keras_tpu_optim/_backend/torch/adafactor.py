@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -103,20 +102,21 @@ def blocked_step(
     )
     for slot, value in zip(slots, result.slots):
         slot.copy_(value)
-    rows, per_row = evaluation.rows, math.prod(shape[1:])
+    rows = evaluation.rows
     for span in evaluation.spans:
         part = [blocks.part(x, span, rows) for x in (grad, param, momentum)]
         factors = [blocks.part(factor, span, rows) for factor in result.factors]
         delta, new_momentum = adafactor_math.elementwise_update(
             _float32(part[0]), factors, part[2], options
         )
-        offset = 0 if span is None else span[0] * per_row
         adafactor_math.write_back(
             part[1],
             delta,
             part[2],
             new_momentum,
-            rounding=adafactor_math.rounding(options, step, variable_index, None, offset),
+            rounding=adafactor_math.rounding(
+                options, step, variable_index, None, 0 if span is None else span[0]
+            ),
             assign=torch.Tensor.copy_,
             assign_sub=torch.Tensor.sub_,
         )
