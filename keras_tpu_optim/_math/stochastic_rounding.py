@@ -21,8 +21,8 @@ SEED_LIMIT = 1 << 31  # seeds are ints in [0, 2^31)
 
 
 def _int32(x):
-    """`x` as an int32 tensor; a constant typed, since Keras makes an int32 tensor and a Python int `floatx`
-    on JAX when that is a half dtype."""
+    """`x` as an int32 tensor. Constants are typed too: on JAX under a half `floatx`, Keras computes an int32
+    tensor and a Python int in `floatx`."""
     if isinstance(x, (int, np.integer, np.ndarray)):
         return ops.convert_to_tensor(x, "int32")
     return ops.cast(x, "int32")
