@@ -143,6 +143,18 @@ def test_random_bits_match_the_unsigned_hash(shape, seed, step, variable_index):
         assert abs(np.mean(got & 1) - 0.5) < 0.1
 
 
+def test_random_bits_of_given_rows_are_those_rows_of_the_whole():
+    """A table's looked-up rows (`rows`) and a block of rows (`first_row`) draw the bits of those rows."""
+    step = ops.convert_to_tensor(3)
+    rows = np.array([5, 0, 2**20, 5], np.int32)
+    got = stochastic_rounding.random_bits((4, 2, 3), 7, step, 2, rows=ops.convert_to_tensor(rows))
+    want = reference_bits((4, 2, 3), 7, 3, 2, rows=rows)
+    np.testing.assert_array_equal(ops.convert_to_numpy(got).astype(np.int64) & MASK, want)
+    block = stochastic_rounding.random_bits((2, 6), 7, step, 2, first_row=4)
+    want = reference_bits((2, 6), 7, 3, 2, rows=np.arange(4, 6))
+    np.testing.assert_array_equal(ops.convert_to_numpy(block).astype(np.int64) & MASK, want)
+
+
 def test_every_element_draws_afresh_under_every_key():
     """No element index whose bits ignore the key (a cancellation in the hash would do that)."""
     draws = np.stack(
