@@ -69,11 +69,11 @@ def random_bits(shape, seed, step, variable_index, first_row=0, rows=None):
         rows = ops.arange(int(first_row), int(first_row) + int(shape[0]), dtype="int32")
     rows = ops.reshape(ops.cast(rows, "int32"), (-1,) + (1,) * (len(shape) - 1))
     row_keys = _mix(ops.add(ops.multiply(rows, _int32(_GOLDEN)), key))
-    # Each position's salt, `position * _ELEMENT_SALT` modulo 2^32, computed on the host (a row's shape is
+    # Each position's salt, `position * _ELEMENT_SALT` modulo 2^32, made on the device (a row's shape is
     # static; the number of rows need not be).
     row_shape = tuple(int(d) for d in shape[1:])
-    positions = np.arange(math.prod(row_shape), dtype=np.int64) * _ELEMENT_SALT & 0xFFFFFFFF
-    salts = _int32(np.reshape(positions.astype(np.uint32).view(np.int32), row_shape))
+    positions = ops.arange(math.prod(row_shape), dtype="int32")
+    salts = ops.reshape(ops.multiply(positions, _int32(_ELEMENT_SALT)), row_shape)
     h = ops.add(row_keys, salts)
     h = ops.multiply(ops.bitwise_xor(h, _shift_right_logical(h, 16)), _int32(_M1))
     return ops.bitwise_xor(h, _shift_right_logical(h, 16))
