@@ -240,7 +240,7 @@ def trained_lookup(
             return write, ops.reshape(ids, (-1,)), not lazy, None
 
     else:
-        caught_up = functools.partial(catch_up.looked_up, options=options)
+        caught_up = functools.partial(catch_up.looked_up, options=options, gather=ev.gather)
 
         def stepped(residuals, row_gradients, learning_rate, step, window):
             distinct, new_rows = catch_up.stepped_rows(

@@ -102,13 +102,11 @@ def advanced_window(window, learning_rate, step, options):
             rate, ops.cast(step, "float32") + 1.0, options.beta_1, options.beta_2
         )
     decay = adam_math.weight_decay(rate, options)
-    logs, sums = window[:1, :-1], window[1:, :-1]
+    kept = window[:, :-1]
     if decay is not None:
-        logs = logs + ops.log1p(-decay)
-        sums = sums - decay * sums
-    shifted = ops.concatenate(
-        [ops.zeros((plan_.terms + 1, 1)), ops.concatenate([logs, sums])], axis=1
-    )
+        logs, sums = kept[:1], kept[1:]
+        kept = ops.concatenate([logs + ops.log1p(-decay), sums - decay * sums])
+    shifted = ops.concatenate([ops.zeros((plan_.terms + 1, 1)), kept], axis=1)
     return shifted + rate * ops.convert_to_tensor(plan_.increments)
 
 
@@ -150,9 +148,13 @@ def swept_rows(step, rows: int, options):
     """The rows this step sweeps: a contiguous run, so that each of `rows` is swept every `window` steps."""
     chunk = -(-rows // options.catch_up_window)
     turns = -(-rows // chunk)
-    start = ops.mod(ops.cast(step, "int32"), turns) * chunk
+    start = ops.cast(step, "int32") % turns * chunk
     start = ops.minimum(start, rows - chunk)
     return start + ops.arange(chunk, dtype="int32")
+
+
+def _take_rows(rows, positions):
+    return ops.take(rows, positions, axis=0)
 
 
 def read_rows(tables, ids, step, window, options):
@@ -177,18 +179,18 @@ def read_ids(ids, step, rows: int, options):
     return ops.concatenate([swept, flat], axis=0)
 
 
-def looked_up(tables, ids, group, distinct, slot, step, window, options):
+def looked_up(tables, ids, group, distinct, slot, step, window, options, *, gather=_take_rows):
     """The forward pass of a training lookup: `(rows, residuals)`, the weights at `ids` as ordinary Adam has
     them at `step`, and what `stepped_rows` takes. `tables` are the rows `distinct` (`sparse_rows.distinct_ids`
     of `read_ids(ids, ...)` numbered by `group`; `slot` None: one per group) of `(weight, momenta, velocities,
-    row_steps)`, each caught up once."""
+    row_steps)`, each caught up once; `gather(rows, positions)` as `ops.take` along the first axis."""
     weight, momenta, velocities, row_steps = tables
     rows = (ops.cast(x, "float32") for x in (weight, momenta, velocities))
     rows = caught_up(*rows, row_steps, step, window, options)
     # The lookup's ids are the last of `every` (`read_ids`); their count from the shape (`ops.size` would be
     # read back from a device).
-    count = ops.shape(ops.reshape(ids, (-1,)))[0]
-    found = ops.take(rows[0], group[ops.shape(group)[0] - count :], axis=0)
+    count = math.prod(ops.shape(ids))
+    found = gather(rows[0], group[ops.shape(group)[0] - count :])
     found = ops.cast(ops.reshape(found, ops.shape(ids) + tuple(weight.shape[1:])), weight.dtype)
     return found, (distinct, group, slot, rows + (row_steps,))
 
@@ -205,7 +207,7 @@ def stepped_rows(
     # The swept rows (the first entries of `group`) have no gradient: their sums stay zero.
     swept = ops.shape(group)[0] - ops.shape(values)[0]
     # Without `slot`, one entry per group; with it, static shapes: as many as ids, picked by `slot`.
-    segments = ops.shape(distinct if slot is None else group)[0]
+    segments = ops.shape(distinct)[0]
     sums = segment_sum(values, group[swept:], num_segments=segments)
     if slot is not None:
         sums = ops.take(sums, slot, axis=0)

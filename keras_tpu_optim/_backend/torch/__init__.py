@@ -234,8 +234,14 @@ class _Lookup(neutral.LookupEvaluation):
         )
 
     def write_rows(self, targets, ids, new_rows):
+        ids = ids.long()
         for target, new in zip(targets, new_rows):
-            target.value.index_copy_(0, ids.long(), new.to(target.value.dtype))
+            table = target.value
+            if table.dim() > 1 and table.device.type == "cpu":
+                # Copying into rows that are not in the cache stalls on every store; read first, they
+                # arrive in parallel (as in the lazy step, which writes the rows it has just gathered).
+                table.index_select(0, ids)
+            table.index_copy_(0, ids, new.to(table.dtype))
 
     def sparse_step(self, targets, ids, values, update_rows, *, lazy, accumulate_duplicates, cache):
         if not lazy:
