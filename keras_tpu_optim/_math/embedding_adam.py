@@ -8,6 +8,7 @@ import functools
 import math
 from typing import Any, Optional
 
+import numpy as np
 from keras import ops
 from keras.backend import standardize_dtype
 
@@ -204,7 +205,6 @@ def stored(new_values, dtypes, *, ids, step, variable_index, options: RowUpdateO
         else:
             out[stream] = ops.cast(new, dtype)
     for (dtype, shape), streams in groups.items():
-        keys = [3 * variable_index + stream for stream in streams]
         stacked = len(streams) > 1
         rounded = stochastic_rounding.stochastic_round(
             ops.stack([new_values[s] for s in streams]) if stacked else new_values[streams[0]],
@@ -213,11 +213,10 @@ def stored(new_values, dtypes, *, ids, step, variable_index, options: RowUpdateO
             step=step,
             # One key per stacked value, broadcast against the elements' indices.
             variable_index=(
-                ops.reshape(
-                    ops.stack([ops.cast(k, "int32") for k in keys]), (-1,) + (1,) * len(shape)
-                )
+                3 * ops.cast(variable_index, "int32")
+                + ops.convert_to_tensor(np.reshape(streams, (-1,) + (1,) * len(shape)), "int32")
                 if stacked
-                else keys[0]
+                else 3 * variable_index + streams[0]
             ),
             shape=shape,
             rows=ids,

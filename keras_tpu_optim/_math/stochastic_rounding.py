@@ -1,5 +1,7 @@
 """Stochastic rounding of float32 values to bfloat16/float16, the same bits on every backend
-(docs/algorithms.md#stochastic-rounding): int32 `keras.ops` only, as torch lacks uint32 arithmetic."""
+(docs/algorithms.md#stochastic-rounding): int32 arithmetic only, as torch lacks uint32's. The hash's
+`^`, `&`, `*` and `+` are the tensors' own operators (each backend's int32 kernels, wrapping on overflow,
+as `keras.ops` would call them); TensorFlow's tensors have no `>>`, so shifts are `keras.ops`'."""
 
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ SEED_LIMIT = 1 << 31  # seeds are ints in [0, 2^31)
 
 
 def _int32(x):
-    """`x` as an int32 tensor. Constants are typed too: on JAX under a half `floatx`, Keras computes an int32
-    tensor and a Python int in `floatx`."""
+    """`x` as an int32 tensor. (With `keras.ops`, constants would have to be typed too: on JAX under a half
+    `floatx`, Keras computes an int32 tensor and a Python int in `floatx`. An operator keeps the tensor's
+    int32.)"""
     if isinstance(x, (int, np.integer, np.ndarray)):
         return ops.convert_to_tensor(x, "int32")
     return ops.cast(x, "int32")
@@ -30,16 +33,14 @@ def _int32(x):
 
 def _shift_right_logical(x, bits: int):
     """`x >>> bits` on int32 (an arithmetic shift with the sign bits masked off)."""
-    return ops.bitwise_and(ops.right_shift(x, bits), _int32((1 << (32 - bits)) - 1))
+    return ops.right_shift(x, bits) & ((1 << (32 - bits)) - 1)
 
 
 def _mix(h):
     """murmur3's fmix32: a bijection of 32-bit words that avalanches every input bit."""
-    h = ops.bitwise_xor(h, _shift_right_logical(h, 16))
-    h = ops.multiply(h, _int32(_M1))
-    h = ops.bitwise_xor(h, _shift_right_logical(h, 13))
-    h = ops.multiply(h, _int32(_M2))
-    return ops.bitwise_xor(h, _shift_right_logical(h, 16))
+    h = (h ^ _shift_right_logical(h, 16)) * _M1
+    h = (h ^ _shift_right_logical(h, 13)) * _M2
+    return h ^ _shift_right_logical(h, 16)
 
 
 def _mix_on_host(h: int) -> int:
@@ -63,20 +64,19 @@ def random_bits(shape, seed, step, variable_index, first_row=0, rows=None):
         index = ops.expand_dims(_int32(variable_index), -1)
         return ops.squeeze(random_bits((1,), seed, step, index, first_row, rows), -1)
     key = _int32(_mix_on_host(seed)) if isinstance(seed, int) else _mix(_int32(seed))
-    key = _mix(ops.bitwise_xor(key, ops.add(_int32(step), _int32(_STEP_SALT))))
-    key = _mix(ops.bitwise_xor(key, ops.add(_int32(variable_index), _int32(_VARIABLE_SALT))))
+    key = _mix(key ^ (_int32(step) + _STEP_SALT))
+    key = _mix(key ^ (_int32(variable_index) + _VARIABLE_SALT))
     if rows is None:
         rows = ops.arange(int(first_row), int(first_row) + int(shape[0]), dtype="int32")
     rows = ops.reshape(ops.cast(rows, "int32"), (-1,) + (1,) * (len(shape) - 1))
-    row_keys = _mix(ops.add(ops.multiply(rows, _int32(_GOLDEN)), key))
+    row_keys = _mix(rows * _GOLDEN + key)
     # Each position's salt, `position * _ELEMENT_SALT` modulo 2^32, made on the device (a row's shape is
     # static; the number of rows need not be).
     row_shape = tuple(int(d) for d in shape[1:])
     positions = ops.arange(math.prod(row_shape), dtype="int32")
-    salts = ops.reshape(ops.multiply(positions, _int32(_ELEMENT_SALT)), row_shape)
-    h = ops.add(row_keys, salts)
-    h = ops.multiply(ops.bitwise_xor(h, _shift_right_logical(h, 16)), _int32(_M1))
-    return ops.bitwise_xor(h, _shift_right_logical(h, 16))
+    h = row_keys + ops.reshape(positions * _ELEMENT_SALT, row_shape)
+    h = (h ^ _shift_right_logical(h, 16)) * _M1
+    return h ^ _shift_right_logical(h, 16)
 
 
 def _round_low_bits(x, bits, dropped: int):
@@ -86,8 +86,7 @@ def _round_low_bits(x, bits, dropped: int):
         # A last axis of static size: Keras's TF `view` reads it (a traced `(rows,)` has none).
         return ops.squeeze(_round_low_bits(x[..., None], bits[..., None], dropped), -1)
     pattern = ops.view(x, "int32")
-    noise = ops.bitwise_and(bits, _int32((1 << dropped) - 1))
-    rounded = ops.bitwise_and(ops.add(pattern, noise), _int32(-(1 << dropped)))
+    rounded = (pattern + (bits & ((1 << dropped) - 1))) & -(1 << dropped)
     return ops.view(rounded, "float32")
 
 
@@ -108,7 +107,7 @@ def stochastic_round(x, dtype, *, seed, step, variable_index, shape=None, first_
         scaled = ops.abs(x) * 2.0**24
         whole = ops.floor(scaled)
         # The low 24 random bits as a uniform draw from [0, 1) in steps of 2^-24.
-        uniform = ops.cast(ops.bitwise_and(bits, _int32((1 << 24) - 1)), "float32") * 2.0**-24
+        uniform = ops.cast(bits & ((1 << 24) - 1), "float32") * 2.0**-24
         magnitude = (whole + ops.cast(uniform < scaled - whole, "float32")) * 2.0**-24
         subnormal = ops.where(x < 0, -magnitude, magnitude)
         subnormal = ops.where(x == 0, x, subnormal)  # -0 stays -0
