@@ -18,6 +18,7 @@ _GOLDEN = 0x9E3779B9 - (1 << 32)
 _STEP_SALT = 0x68E31DA4
 _VARIABLE_SALT = 0x1B56C4E9
 _ELEMENT_SALT = 0x5BD1E995
+_SIGN = -(1 << 31)  # float32's sign bit, as a signed int32
 
 SEED_LIMIT = 1 << 31  # seeds are ints in [0, 2^31)
 
@@ -33,7 +34,9 @@ def _int32(x):
 
 def _shift_right_logical(x, bits: int):
     """`x >>> bits` on int32 (an arithmetic shift with the sign bits masked off)."""
-    return ops.right_shift(x, bits) & ((1 << (32 - bits)) - 1)
+    shifted = ops.right_shift(x, bits)
+    shifted &= (1 << (32 - bits)) - 1
+    return shifted
 
 
 def _mix(h):
@@ -75,8 +78,12 @@ def random_bits(shape, seed, step, variable_index, first_row=0, rows=None):
     row_shape = tuple(int(d) for d in shape[1:])
     positions = ops.arange(math.prod(row_shape), dtype="int32")
     h = row_keys + ops.reshape(positions * _ELEMENT_SALT, row_shape)
-    h = (h ^ _shift_right_logical(h, 16)) * _M1
-    return h ^ _shift_right_logical(h, 16)
+    # `h` is this function's own: updated in place where tensors are mutable (torch), which spares a
+    # row-sized allocation an operation.
+    h ^= _shift_right_logical(h, 16)
+    h *= _M1
+    h ^= _shift_right_logical(h, 16)
+    return h
 
 
 def _round_low_bits(x, bits, dropped: int):
@@ -86,7 +93,13 @@ def _round_low_bits(x, bits, dropped: int):
         # A last axis of static size: Keras's TF `view` reads it (a traced `(rows,)` has none).
         return ops.squeeze(_round_low_bits(x[..., None], bits[..., None], dropped), -1)
     pattern = ops.view(x, "int32")
-    rounded = (pattern + (bits & ((1 << dropped) - 1))) & -(1 << dropped)
+    # The magnitude's bits, a NaN's payload replaced by the quiet NaN's: the noise then carries into the
+    # exponent of a finite value only (Infinity's mantissa is 0), and the sign is kept as it was.
+    rounded = ops.minimum(pattern & 0x7FFFFFFF, _int32(0x7FC00000))
+    # `rounded` is this function's own (`pattern` is `x`'s): updated in place where tensors are mutable.
+    rounded += bits & ((1 << dropped) - 1)
+    rounded &= -(1 << dropped)
+    rounded |= pattern & _SIGN
     return ops.view(rounded, "float32")
 
 
@@ -112,4 +125,4 @@ def stochastic_round(x, dtype, *, seed, step, variable_index, shape=None, first_
         subnormal = ops.where(x < 0, -magnitude, magnitude)
         subnormal = ops.where(x == 0, x, subnormal)  # -0 stays -0
         rounded = ops.where(ops.abs(x) < 2.0**-14, subnormal, normal)
-    return ops.cast(ops.where(ops.isfinite(x), rounded, x), dtype)
+    return ops.cast(rounded, dtype)
