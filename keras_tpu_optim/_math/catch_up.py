@@ -123,18 +123,25 @@ def caught_up(weight, momenta, velocities, row_steps, step, window, options):
     for _ in weight.shape[1:]:
         picked = ops.expand_dims(picked, -1)
     # `m / denominator` times the series in `z = eps / (sqrt(v) + eps)`, or `eps^2 / (v + eps^2)` inside it.
+    # Products and sums made here are this function's own: they are updated in place where tensors are
+    # mutable (torch), sparing the step a row-sized allocation each.
     scale = 1.0 / adam_math.denominator(velocities, options)
     z = options.epsilon * scale
     if options.sum_inside_sqrt:
-        z = z * z
+        z *= z
     if len(z.shape) < len(weight.shape):
         z, scale = adam_math.per_row(z, weight), adam_math.per_row(scale, weight)
     moved = picked[plan_.terms]
-    for n in range(plan_.terms - 2, -1, -1):
-        moved = picked[1 + n] + z * moved
+    if plan_.terms > 1:  # Horner's rule
+        moved = z * moved + picked[plan_.terms - 1]
+        for n in range(plan_.terms - 3, -1, -1):
+            moved *= z
+            moved += picked[1 + n]
     if options.weight_decay_factor is not None:  # else `E = 1`
         weight = ops.exp(picked[0]) * weight
-    new_weight = weight - momenta * scale * moved
+    step_rows = momenta * scale
+    step_rows *= moved
+    new_weight = weight - step_rows
     new_weight = adam_math.clip_between(
         new_weight, options.clip_weight_min, options.clip_weight_max
     )
