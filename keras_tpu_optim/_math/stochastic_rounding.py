@@ -88,7 +88,8 @@ def random_bits(shape, seed, step, variable_index, first_row=0, rows=None):
 
 def _round_low_bits(x, bits, dropped: int):
     """`x` rounded stochastically to the float32s whose low `dropped` mantissa bits are 0: noise
-    below 2^dropped carries into the kept bits with probability `low bits / 2^dropped`."""
+    below 2^dropped carries into the kept bits with probability `low bits / 2^dropped`. `bits` (of `x`'s
+    shape) is spent: updated in place where tensors are mutable."""
     if not x.shape or x.shape[-1] is None:
         # A last axis of static size: Keras's TF `view` reads it (a traced `(rows,)` has none).
         return ops.squeeze(_round_low_bits(x[..., None], bits[..., None], dropped), -1)
@@ -97,7 +98,8 @@ def _round_low_bits(x, bits, dropped: int):
     # exponent of a finite value only (Infinity's mantissa is 0), and the sign is kept as it was.
     rounded = ops.minimum(pattern & 0x7FFFFFFF, _int32(0x7FC00000))
     # `rounded` is this function's own (`pattern` is `x`'s): updated in place where tensors are mutable.
-    rounded += bits & ((1 << dropped) - 1)
+    bits &= (1 << dropped) - 1
+    rounded += bits
     rounded &= -(1 << dropped)
     rounded |= pattern & _SIGN
     return ops.view(rounded, "float32")
@@ -116,11 +118,11 @@ def stochastic_round(x, dtype, *, seed, step, variable_index, shape=None, first_
     if dtype == "bfloat16":
         rounded = _round_low_bits(x, bits, 16)
     else:
+        # The low 24 random bits as a uniform draw from [0, 1) in steps of 2^-24 (before `bits` is spent).
+        uniform = ops.cast(bits & ((1 << 24) - 1), "float32") * 2.0**-24
         normal = _round_low_bits(x, bits, 13)
         scaled = ops.abs(x) * 2.0**24
         whole = ops.floor(scaled)
-        # The low 24 random bits as a uniform draw from [0, 1) in steps of 2^-24.
-        uniform = ops.cast(bits & ((1 << 24) - 1), "float32") * 2.0**-24
         magnitude = (whole + ops.cast(uniform < scaled - whole, "float32")) * 2.0**-24
         subnormal = ops.where(x < 0, -magnitude, magnitude)
         subnormal = ops.where(x == 0, x, subnormal)  # -0 stays -0
