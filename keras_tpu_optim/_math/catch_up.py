@@ -160,10 +160,6 @@ def swept_rows(step, rows: int, options):
     return start + ops.arange(chunk, dtype="int32")
 
 
-def _take_rows(rows, positions):
-    return ops.take(rows, positions, axis=0)
-
-
 def read_rows(tables, ids, step, window, options):
     """The weights at `ids` as ordinary Adam has them at `step`: `tables` is `(weight, momenta, velocities,
     row_steps)`, the rows gathered (as `ops.take`) and caught up."""
@@ -186,11 +182,11 @@ def read_ids(ids, step, rows: int, options):
     return ops.concatenate([swept, flat], axis=0)
 
 
-def looked_up(tables, ids, group, distinct, slot, step, window, options, *, gather=_take_rows):
+def looked_up(tables, ids, group, distinct, slot, step, window, options, *, gather):
     """The forward pass of a training lookup: `(rows, residuals)`, the weights at `ids` as ordinary Adam has
     them at `step`, and what `stepped_rows` takes. `tables` are the rows `distinct` (`sparse_rows.distinct_ids`
     of `read_ids(ids, ...)` numbered by `group`; `slot` None: one per group) of `(weight, momenta, velocities,
-    row_steps)`, each caught up once; `gather(rows, positions)` as `ops.take` along the first axis."""
+    row_steps)`, each caught up once; `gather(rows, positions)`: the backend's `ops.take` along the first axis."""
     weight, momenta, velocities, row_steps = tables
     rows = (ops.cast(x, "float32") for x in (weight, momenta, velocities))
     rows = caught_up(*rows, row_steps, step, window, options)

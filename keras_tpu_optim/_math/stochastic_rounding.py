@@ -24,9 +24,8 @@ SEED_LIMIT = 1 << 31  # seeds are ints in [0, 2^31)
 
 
 def _int32(x):
-    """`x` as an int32 tensor. (With `keras.ops`, constants would have to be typed too: on JAX under a half
-    `floatx`, Keras computes an int32 tensor and a Python int in `floatx`. An operator keeps the tensor's
-    int32.)"""
+    """`x` as an int32 tensor. Constants go to the tensors' operators as Python ints, which keep int32 (a
+    `keras.ops` call on JAX under a half `floatx` would compute an int32 tensor and a Python int in `floatx`)."""
     if isinstance(x, (int, np.integer, np.ndarray)):
         return ops.convert_to_tensor(x, "int32")
     return ops.cast(x, "int32")
