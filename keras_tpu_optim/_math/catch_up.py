@@ -113,42 +113,44 @@ def advanced_window(window, learning_rate, step, options):
 def caught_up(weight, momenta, velocities, row_steps, step, window, options):
     """Float32 rows `(weight, momenta, velocities)` brought from their `row_steps` to `step` (at most the
     window behind) by Adam's steps with a zero gradient; weight clipping is applied once, at the end. A
-    current row (`E = 1`, `C = 0`) keeps its bits."""
+    current row (`E = 1`, `C = 0`) keeps its bits.
+
+    The rows are updated in place where tensors are mutable (torch), as are the products made here, sparing
+    the step a row-sized allocation each: callers pass rows of their own (gathered, or copied)."""
     plan_ = options_plan(options)
     behind = ops.cast(ops.cast(step, "float32") - ops.cast(row_steps, "float32"), "int32")
     behind = ops.clip(behind, 0, plan_.window)
     # One gather of each row's `log E`, `C_n` and `beta_i^d`: `picked[k]` broadcasts against the rows.
     columns = ops.concatenate([window, ops.convert_to_tensor(plan_.powers)], axis=0)
     picked = ops.take(columns, behind, axis=1)
-    for _ in weight.shape[1:]:
-        picked = ops.expand_dims(picked, -1)
-    # `m / denominator` times the series in `z = eps / (sqrt(v) + eps)`, or `eps^2 / (v + eps^2)` inside it.
-    # Products and sums made here are this function's own: they are updated in place where tensors are
-    # mutable (torch), sparing the step a row-sized allocation each.
-    scale = 1.0 / adam_math.denominator(velocities, options)
-    z = options.epsilon * scale
+    picked = picked[(...,) + (None,) * (len(weight.shape) - 1)]
+    # The step is `m / denominator` times the series in `z`: `eps / (sqrt(v) + eps)`, or
+    # `eps^2 / (v + eps^2)` inside the square root.
+    divisor = adam_math.denominator(velocities, options)
+    z = ops.divide(options.epsilon, divisor)
     if options.sum_inside_sqrt:
         z *= z
     if len(z.shape) < len(weight.shape):
-        z, scale = adam_math.per_row(z, weight), adam_math.per_row(scale, weight)
+        z, divisor = adam_math.per_row(z, weight), adam_math.per_row(divisor, weight)
     moved = picked[plan_.terms]
     if plan_.terms > 1:  # Horner's rule
-        moved = z * moved + picked[plan_.terms - 1]
+        moved = z * moved
+        moved += picked[plan_.terms - 1]
         for n in range(plan_.terms - 3, -1, -1):
             moved *= z
             moved += picked[1 + n]
     if options.weight_decay_factor is not None:  # else `E = 1`
-        weight = ops.exp(picked[0]) * weight
-    step_rows = momenta * scale
-    step_rows *= moved
-    new_weight = weight - step_rows
-    new_weight = adam_math.clip_between(
-        new_weight, options.clip_weight_min, options.clip_weight_max
-    )
+        weight *= ops.exp(picked[0])
+    moved = momenta * moved
+    moved /= divisor
+    weight -= moved
+    weight = adam_math.clip_between(weight, options.clip_weight_min, options.clip_weight_max)
     decay_2 = picked[-1]
     if len(velocities.shape) < len(weight.shape):
         decay_2 = adam_math.per_row(decay_2, velocities)
-    return new_weight, picked[-2] * momenta, decay_2 * velocities
+    momenta *= picked[-2]
+    velocities *= decay_2
+    return weight, momenta, velocities
 
 
 def swept_rows(step, rows: int, options):

@@ -406,7 +406,8 @@ class Embedding(keras.layers.Embedding):
             rows = slice(start, min(self.input_dim, start + chunk))
             pieces.append(
                 catch_up_math.caught_up(
-                    *(ops.cast(v.value[rows], "float32") for v in state[:3]),
+                    # Copies: `caught_up` updates the rows it is given in place (torch).
+                    *(ops.copy(ops.cast(v.value[rows], "float32")) for v in state[:3]),
                     state[3].value[rows],
                     step,
                     self.catch_up_sums.value,
