@@ -107,7 +107,8 @@ def advanced_window(window, learning_rate, step, options):
         logs, sums = kept[:1], kept[1:]
         kept = ops.concatenate([logs + ops.log1p(-decay), sums - decay * sums])
     shifted = ops.concatenate([ops.zeros((plan_.terms + 1, 1)), kept], axis=1)
-    return shifted + rate * ops.convert_to_tensor(plan_.increments)
+    shifted += rate * ops.convert_to_tensor(plan_.increments)
+    return shifted
 
 
 def caught_up(weight, momenta, velocities, row_steps, step, window, options):
@@ -154,12 +155,12 @@ def caught_up(weight, momenta, velocities, row_steps, step, window, options):
 
 
 def swept_rows(step, rows: int, options):
-    """The rows this step sweeps: a contiguous run, so that each of `rows` is swept every `window` steps."""
+    """The rows this step sweeps: a contiguous run (the last one wrapping to the first rows), so that each of
+    `rows` is swept every `window` steps."""
     chunk = -(-rows // options.catch_up_window)
     turns = -(-rows // chunk)
     start = ops.cast(step, "int32") % turns * chunk
-    start = ops.minimum(start, rows - chunk)
-    return start + ops.arange(chunk, dtype="int32")
+    return (start + ops.arange(chunk, dtype="int32")) % rows
 
 
 def read_rows(tables, ids, step, window, options):
