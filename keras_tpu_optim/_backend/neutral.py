@@ -155,8 +155,8 @@ class LookupEvaluation:
         group = sparse_rows.id_ranks(every)
         return (group, *sparse_rows.distinct_ids(every, group))
 
-    def gather(self, table, ids):
-        return ops.take(table, ids, axis=0)
+    def gather(self, table, ids, axis=0):
+        return ops.take(table, ids, axis=axis)
 
     segment_sum = staticmethod(ops.segment_sum)
 

@@ -111,10 +111,10 @@ def advanced_window(window, learning_rate, step, options):
     return shifted
 
 
-def caught_up(weight, momenta, velocities, row_steps, step, window, options):
+def caught_up(weight, momenta, velocities, row_steps, step, window, options, *, gather=ops.take):
     """Float32 rows `(weight, momenta, velocities)` brought from their `row_steps` to `step` (at most the
     window behind) by Adam's steps with a zero gradient; weight clipping is applied once, at the end. A
-    current row (`E = 1`, `C = 0`) keeps its bits.
+    current row (`E = 1`, `C = 0`) keeps its bits. `gather(x, indices, axis)`: the backend's `ops.take`.
 
     The rows are updated in place where tensors are mutable (torch), as are the products made here, sparing
     the step a row-sized allocation each: callers pass rows of their own (gathered, or copied)."""
@@ -123,7 +123,7 @@ def caught_up(weight, momenta, velocities, row_steps, step, window, options):
     behind = ops.clip(behind, 0, plan_.window)
     # One gather of each row's `log E`, `C_n` and `beta_i^d`: `picked[k]` broadcasts against the rows.
     columns = ops.concatenate([window, ops.convert_to_tensor(plan_.powers)], axis=0)
-    picked = ops.take(columns, behind, axis=1)
+    picked = gather(columns, behind, axis=1)
     picked = picked[(...,) + (None,) * (len(weight.shape) - 1)]
     # The step is `m / denominator` times the series in `z`: `eps / (sqrt(v) + eps)`, or
     # `eps^2 / (v + eps^2)` inside the square root.
@@ -142,7 +142,10 @@ def caught_up(weight, momenta, velocities, row_steps, step, window, options):
             moved += picked[1 + n]
     if options.weight_decay_factor is not None:  # else `E = 1`
         weight *= ops.exp(picked[0])
-    moved = momenta * moved
+    if plan_.terms > 1 and len(velocities.shape) == len(weight.shape):
+        moved *= momenta  # the series' own product, of the rows' shape
+    else:
+        moved = momenta * moved
     moved /= divisor
     weight -= moved
     weight = adam_math.clip_between(weight, options.clip_weight_min, options.clip_weight_max)
@@ -189,10 +192,10 @@ def looked_up(tables, ids, group, distinct, slot, step, window, options, *, gath
     """The forward pass of a training lookup: `(rows, residuals)`, the weights at `ids` as ordinary Adam has
     them at `step`, and what `stepped_rows` takes. `tables` are the rows `distinct` (`sparse_rows.distinct_ids`
     of `read_ids(ids, ...)` numbered by `group`; `slot` None: one per group) of `(weight, momenta, velocities,
-    row_steps)`, each caught up once; `gather(rows, positions)`: the backend's `ops.take` along the first axis."""
+    row_steps)`, each caught up once; `gather(x, indices, axis=0)`: the backend's `ops.take`."""
     weight, momenta, velocities, row_steps = tables
     rows = (ops.cast(x, "float32") for x in (weight, momenta, velocities))
-    rows = caught_up(*rows, row_steps, step, window, options)
+    rows = caught_up(*rows, row_steps, step, window, options, gather=gather)
     # The lookup's ids are the last of `every` (`read_ids`); their count from the shape (`ops.size` would be
     # read back from a device).
     count = math.prod(ops.shape(ids))

@@ -254,9 +254,9 @@ class _Lookup(neutral.LookupEvaluation):
     def write_step(self, iterations, new_step):
         pass  # The model's optimizer installs it, or skips the table with it.
 
-    def gather(self, table, ids):
+    def gather(self, table, ids, axis=0):
         # An id past the table reads as `ops.take` reads it (NaN); its update is dropped.
-        return table.at[ids].get(mode="fill")
+        return jax.numpy.take(table, ids, axis=axis, mode="fill")
 
     def write_rows(self, targets, ids, new_rows):
         return [rows.scatter(t, ids, r.astype(t.dtype)) for t, r in zip(targets, new_rows)]

@@ -148,8 +148,8 @@ class _Lookup(neutral.LookupEvaluation):
             group = sparse_rows.id_ranks(every, False)
         return (group, *sparse_rows.distinct_ids(every, group))
 
-    def gather(self, table, ids):
-        return tf.gather(table, ids)
+    def gather(self, table, ids, axis=0):
+        return tf.gather(table, ids, axis=axis)
 
     def compiled(self, name, function, options, cache):
         if not compiling_helps():

@@ -224,8 +224,8 @@ class _Lookup(neutral.LookupEvaluation):
         distinct, group = torch.unique(every.long(), return_inverse=True)
         return group, distinct, None
 
-    def gather(self, table, ids):
-        return table.index_select(0, ids.long())
+    def gather(self, table, ids, axis=0):
+        return table.index_select(axis, ids.long())
 
     @staticmethod
     def segment_sum(data, segment_ids, num_segments):
@@ -235,12 +235,14 @@ class _Lookup(neutral.LookupEvaluation):
 
     def write_rows(self, targets, ids, new_rows):
         ids = ids.long()
+        reads = {}  # the reads below, one buffer for each shape of row and dtype
         for target, new in zip(targets, new_rows):
             table = target.value
             if table.dim() > 1 and table.device.type == "cpu":
                 # Copying into rows that are not in the cache stalls on every store; read first, they
                 # arrive in parallel (as in the lazy step, which writes the rows it has just gathered).
-                table.index_select(0, ids)
+                kind = (table.shape[1:], table.dtype)
+                reads[kind] = torch.index_select(table, 0, ids, out=reads.get(kind))
             table.index_copy_(0, ids, new.to(table.dtype))
 
     def sparse_step(self, targets, ids, values, update_rows, *, lazy, accumulate_duplicates, cache):
