@@ -131,7 +131,8 @@ def caught_up(weight, momenta, velocities, row_steps, step, window, options, *, 
     z = ops.divide(options.epsilon, divisor)
     if options.sum_inside_sqrt:
         z *= z
-    if len(z.shape) < len(weight.shape):
+    rowwise = len(velocities.shape) < len(weight.shape)  # one `v` a row
+    if rowwise:
         z, divisor = adam_math.per_row(z, weight), adam_math.per_row(divisor, weight)
     moved = picked[plan_.terms]
     if plan_.terms > 1:  # Horner's rule
@@ -142,16 +143,14 @@ def caught_up(weight, momenta, velocities, row_steps, step, window, options, *, 
             moved += picked[1 + n]
     if options.weight_decay_factor is not None:  # else `E = 1`
         weight *= ops.exp(picked[0])
-    if plan_.terms > 1 and len(velocities.shape) == len(weight.shape):
+    if plan_.terms > 1 and not rowwise:
         moved *= momenta  # the series' own product, of the rows' shape
     else:
         moved = momenta * moved
     moved /= divisor
     weight -= moved
     weight = adam_math.clip_between(weight, options.clip_weight_min, options.clip_weight_max)
-    decay_2 = picked[-1]
-    if len(velocities.shape) < len(weight.shape):
-        decay_2 = adam_math.per_row(decay_2, velocities)
+    decay_2 = adam_math.per_row(picked[-1], velocities) if rowwise else picked[-1]
     momenta *= picked[-2]
     velocities *= decay_2
     return weight, momenta, velocities
