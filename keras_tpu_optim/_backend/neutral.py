@@ -158,6 +158,11 @@ class LookupEvaluation:
     def gather(self, table, ids, axis=0):
         return ops.take(table, ids, axis=axis)
 
+    def table_rows(self, tables, ids):
+        """The rows `ids` of each of `tables`, the catch-up's own (it updates them in place where tensors are
+        mutable) until the backward pass has stepped them."""
+        return [self.gather(t, ids) for t in tables]
+
     segment_sum = staticmethod(ops.segment_sum)
 
     def compiled(self, name, function, options, cache):
@@ -253,7 +258,7 @@ def trained_lookup(
             ids = sparse_rows.clipped(ids, tables[0].shape[0])
             every = catch_up.read_ids(ids, step, tables[0].shape[0], options)
             group, distinct, slot = ev.grouped(every)
-            rows = [ev.gather(t, distinct) for t in tables]
+            rows = ev.table_rows(tables, distinct)
             return ev.compiled("catch_up_lookup", caught_up, options, cache)(
                 rows, ids, group, distinct, slot, step, window
             )

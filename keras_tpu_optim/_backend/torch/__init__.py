@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import math
+import weakref
 
 import torch
 from keras import ops
@@ -198,15 +198,25 @@ def accumulation_rows():
 
 
 class _Lookup(neutral.LookupEvaluation):
-    """The backward pass writes the table, its slots and the window in place, and returns the next value of
-    `iterations` as its gradient. The ids are grouped and their gradients summed by torch's own kernels
-    (Keras's segment ops replicate the ids to the rows' shape and scatter through a reduction)."""
+    """One call's evaluation. The backward pass writes the table, its slots and the window in place, and returns
+    the next value of `iterations` as its gradient. The ids are grouped and their gradients summed by torch's
+    own kernels (Keras's segment ops replicate the ids to the rows' shape and scatter through a reduction).
+    The rows the forward pass gathers, their gradients' sums and the reads before the writes go to the
+    layer's scratch buffers, as the lazy step's rows do: row-sized tensors allocated afresh each step make the
+    process's heap grow and shrink again, a page fault for every page."""
+
+    def __init__(self, cache):
+        self._cache = cache
+        self._scratch = scratch_of(cache)
+        # Where the forward pass gathers its rows (`_lend_rows_scratch`).
+        self._rows_scratch = self._scratch
 
     def hook(self, forward, backward, ids, step, learning_rate, state, window, cache, name):
         window_before = None if window is None else window.value
-        saved = []  # the forward pass's residuals, for the backward pass
+        saved = _Residuals()  # the forward pass's residuals, for the backward pass
 
         def read(ids, step):
+            self._lend_rows_scratch(saved)
             found, residuals = forward(
                 ids, step, learning_rate, [t.value for t in state], window_before
             )
@@ -219,6 +229,18 @@ class _Lookup(neutral.LookupEvaluation):
         stepping = (backward, saved, learning_rate, window_before, cache, name, count)
         return _TrainedLookup.apply(ids, step, state[0].value, stepping, read)
 
+    def _lend_rows_scratch(self, saved):
+        """Gather the forward pass's rows into the layer's scratch, kept until `saved` (the pass's residuals)
+        is emptied by its backward pass or dropped; while an earlier pass's rows wait there, into buffers of
+        this call's own. (Compiled, the scratch is the call's own already.)"""
+        if torch.compiler.is_compiling():
+            return
+        holder = self._cache.get("rows_holder")
+        if holder is not None and holder():
+            self._rows_scratch = rows.Scratch()
+            return
+        self._cache["rows_holder"] = weakref.ref(saved)
+
     def grouped(self, every):
         # int64 ids, which torch's gathers and scatters take (`long()` is then no copy).
         distinct, group = torch.unique(every.long(), return_inverse=True)
@@ -227,22 +249,26 @@ class _Lookup(neutral.LookupEvaluation):
     def gather(self, table, ids, axis=0):
         return table.index_select(axis, ids.long())
 
-    @staticmethod
-    def segment_sum(data, segment_ids, num_segments):
-        return data.new_zeros((num_segments,) + tuple(data.shape[1:])).index_add_(
-            0, segment_ids, data
-        )
+    def table_rows(self, tables, ids):
+        ids = ids.long()
+        return [
+            rows.gathered_rows(t, ids, self._rows_scratch, rows.LOOKUP_SLOTS + i)
+            for i, t in enumerate(tables)
+        ]
+
+    def segment_sum(self, data, segment_ids, num_segments):
+        shape = (num_segments,) + tuple(data.shape[1:])
+        sums = self._scratch.empty(shape, rows.SUMS_SLOT, data.dtype, data.device)
+        return sums.zero_().index_add_(0, segment_ids, data)
 
     def write_rows(self, targets, ids, new_rows):
         ids = ids.long()
-        reads = {}  # the reads below, one buffer for each shape of row and dtype
         for target, new in zip(targets, new_rows):
             table = target.value
             if table.dim() > 1 and table.device.type == "cpu":
                 # Copying into rows that are not in the cache stalls on every store; read first, they
                 # arrive in parallel (as in the lazy step, which writes the rows it has just gathered).
-                kind = (table.shape[1:], table.dtype)
-                reads[kind] = torch.index_select(table, 0, ids, out=reads.get(kind))
+                rows.gathered_rows(table, ids, self._scratch, rows.READ_SLOT)
             table.index_copy_(0, ids, new.to(table.dtype))
 
     def sparse_step(self, targets, ids, values, update_rows, *, lazy, accumulate_duplicates, cache):
@@ -257,11 +283,17 @@ class _Lookup(neutral.LookupEvaluation):
             values,
             [t.value for t in targets],
             accumulate_duplicates=accumulate_duplicates,
-            scratch=scratch_of(cache),
+            scratch=self._scratch,
         )
 
 
-trained_lookup = functools.partial(neutral.trained_lookup, evaluation=_Lookup())
+class _Residuals(list):
+    """A forward pass's residuals, until its backward pass takes them (a list that can be weakly referenced)."""
+
+
+def trained_lookup(*arguments, cache, **keywords):
+    """`neutral.trained_lookup`, evaluated by a `_Lookup` of the layer's `cache`."""
+    return neutral.trained_lookup(*arguments, cache=cache, evaluation=_Lookup(cache), **keywords)
 
 
 class _TrainedLookup(torch.autograd.Function):

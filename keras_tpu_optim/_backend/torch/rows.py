@@ -135,19 +135,22 @@ def masked_row_update(update_rows, gradient, targets):
 
 
 # The scratch slots of a row step: the gradient rows, the gathered rows of each target, and a dense
-# gradient's row norms and scaled chunk.
+# gradient's row norms and scaled chunk; of a trained lookup (`_Lookup`): the rows of each table, the sums
+# of their gradients, and the reads before the writes.
 GRADIENT_SLOT, NORMS_SLOT, SCALED_SLOT = 0, 3, 4
 GATHER_SLOTS = 10
+LOOKUP_SLOTS, SUMS_SLOT, READ_SLOT = 20, 30, 31
 
 
 def update_in_place(update_rows, ids, grad_rows, targets, scratch):
     """Gather the rows `ids` (unique) of `targets` into `scratch`, update them, copy them back."""
-    gathered = [_gather(t, ids, scratch, GATHER_SLOTS + i) for i, t in enumerate(targets)]
+    gathered = [gathered_rows(t, ids, scratch, GATHER_SLOTS + i) for i, t in enumerate(targets)]
     for target, rows in zip(targets, update_rows(grad_rows, *gathered, ids=ids)):
         target.index_copy_(0, ids, rows)
 
 
-def _gather(target, ids, scratch, slot):
+def gathered_rows(target, ids, scratch, slot):
+    """The rows `ids` (int64) of `target`, in `scratch`'s buffer `slot`."""
     shape = (ids.shape[0],) + tuple(target.shape[1:])
     return torch.index_select(
         target, 0, ids, out=scratch.empty(shape, slot, target.dtype, target.device)
