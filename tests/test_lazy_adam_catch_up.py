@@ -297,7 +297,8 @@ def test_catch_up_crossing_a_weight_bound():
 def test_a_forward_pass_waiting_for_its_backward_pass_keeps_its_rows():
     """Two training lookups before a backward pass, the second's ids fewer and overlapping the first's, then
     the first's backward pass: the table, its slots and counts as the first lookup and its backward pass alone
-    leave them; and after the second's graph is dropped, a further step trains both layers alike."""
+    leave them. Then a training lookup of more ids under `torch.inference_mode`: the next step trains as if
+    it had not been made (its rows were not gathered into buffers that steps write)."""
     import torch
 
     rng = np.random.default_rng(4)
@@ -336,6 +337,8 @@ def test_a_forward_pass_waiting_for_its_backward_pass_keeps_its_rows():
             err_msg=name,
         )
     pending.clear()
+    with torch.inference_mode():
+        waited(torch.as_tensor(np.arange(60, dtype="int32")), training=True)
     for layer in (alone, waited):
         step(layer, second)
     for name, variable in alone.table_state().items():

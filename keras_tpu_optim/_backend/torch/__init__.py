@@ -231,12 +231,13 @@ class _Lookup(neutral.LookupEvaluation):
 
     def _lend_rows_scratch(self, saved):
         """Gather the forward pass's rows into the layer's scratch, kept until `saved` (the pass's residuals)
-        is emptied by its backward pass or dropped; while an earlier pass's rows wait there, into buffers of
-        this call's own. (Compiled, the scratch is the call's own already.)"""
+        is emptied by its backward pass or dropped; into buffers of this call's own while an earlier pass's
+        rows wait there, or under `torch.inference_mode` (whose tensors later steps could not write).
+        (Compiled, the scratch is the call's own already.)"""
         if torch.compiler.is_compiling():
             return
         holder = self._cache.get("rows_holder")
-        if holder is not None and holder():
+        if torch.is_inference_mode_enabled() or (holder is not None and holder()):
             self._rows_scratch = rows.Scratch()
             return
         self._cache["rows_holder"] = weakref.ref(saved)
