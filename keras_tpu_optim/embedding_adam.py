@@ -308,17 +308,12 @@ class EmbeddingAdam(OptimizerBase):
 
     def _make_state(self, variable) -> VariableState:
         """A table's slots, in the order of `_row_update_options().slot_names` (the row update reads them so)."""
-        plan = self._table_state_plan()
-        if self.slot_variable_creation_fn is None:
-            slots = tuple(
-                _slots.add_slot(self, variable, name, kept_axes=axes, dtype=dtype)
-                for name, axes, dtype in plan[:2]
-            )
-        else:
-            slots = self._create_slots_with_user_fn(variable)
+        plan, slots = self._table_state_plan(), ()
+        if self.slot_variable_creation_fn is not None:  # it makes `momenta` and `velocities`
+            plan, slots = plan[2:], self._create_slots_with_user_fn(variable)
         slots += tuple(
             _slots.add_slot(self, variable, name, kept_axes=axes, dtype=dtype)
-            for name, axes, dtype in plan[2:]
+            for name, axes, dtype in plan
         )
 
         def per_row(role):

@@ -138,13 +138,9 @@ class LookupEvaluation:
         it is not (JAX)."""
         raise NotImplementedError
 
-    def write_step(self, iterations, new_step):
-        """Write the step count in place where state is written in place (TF, torch)."""
-        iterations.assign(new_step)
-
-    def write_window(self, window, new_window):
-        """Write the catch-up window's new value where state is written in place (TF, torch)."""
-        window.assign(new_window)
+    def write_in_place(self, variable, value):
+        """Write the step count or the catch-up window where state is written in place (TF, torch)."""
+        variable.assign(value)
 
     def read_step(self, iterations):
         """The value of `iterations` the step reads."""
@@ -221,7 +217,7 @@ def trained_lookup(
         if skip_with_model:
             # The model's optimizer skips too: a NaN gradient. Where it skips for a reason of its own, the
             # count written in place (TF, torch) keeps up with the table written in place.
-            ev.write_step(iterations, new_step)
+            ev.write_in_place(iterations, new_step)
             return ops.where(finite, new_step, float("nan"))
         return new_step
 
@@ -292,7 +288,7 @@ def trained_lookup(
         if finite is not None and window is not None:
             new_window = ops.where(finite, new_window, window_value)
         if window is not None:
-            ev.write_window(window, new_window)
+            ev.write_in_place(window, new_window)
         return new_tables, new_window, next_step(step, finite)
 
     return ev.hook(forward, backward, ids, step, learning_rate, state, window, cache, name)

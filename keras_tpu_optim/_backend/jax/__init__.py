@@ -248,11 +248,8 @@ class _Lookup(neutral.LookupEvaluation):
         window = None if window is None else window.value
         return lookup(ids, step, learning_rate, window, *(t.value for t in state))
 
-    def write_window(self, window, new_window):
-        pass  # Its new value is its gradient.
-
-    def write_step(self, iterations, new_step):
-        pass  # The model's optimizer installs it, or skips the table with it.
+    def write_in_place(self, variable, value):
+        pass  # Its new value is its gradient: the model's optimizer installs it (or skips the step).
 
     def gather(self, table, ids, axis=0):
         # An id past the table reads as `ops.take` reads it (NaN); its update is dropped.

@@ -85,10 +85,8 @@ def blocked_step(
     block (`learning_rate`, `step`: 0-d tensors; a non-float32 variable rounded once, keyed by `variable_index`)."""
     shape = tuple(param.shape)
     evaluation = _Float32Blocks(shape, TorchEvaluation(), chunk_elements=chunk_elements)
-    if len(slots) == 1:
-        grad = _float32(
-            grad
-        )  # the unfactored statistics are elementwise, and as big as the variable
+    if len(slots) == 1:  # the unfactored statistics are elementwise, and as big as the variable
+        grad = _float32(grad)
     step = step.to(param.device)
     result = adafactor_math.preconditioned(
         grad,

@@ -110,11 +110,8 @@ def lazy_row_update(update_rows, gradient, variable, slots, *, accumulate_duplic
         masked_row_update(update_rows, gradient, targets)
         return
     ids = touched_rows(gradient, scratch)
-    shape = (ids.shape[0],) + tuple(gradient.shape[1:])
-    out = scratch.empty(shape, GRADIENT_SLOT, gradient.dtype, gradient.device)
-    update_in_place(
-        update_rows, ids, torch.index_select(gradient, 0, ids, out=out), targets, scratch
-    )
+    grad_rows = gathered_rows(gradient, ids, scratch, GRADIENT_SLOT)
+    update_in_place(update_rows, ids, grad_rows, targets, scratch)
 
 
 def sparse_row_update(update_rows, indices, values, targets, *, accumulate_duplicates, scratch):
