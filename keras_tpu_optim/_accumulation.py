@@ -45,38 +45,26 @@ def _accumulated_apply(optimizer, grads, variables, rows):
     accumulators = _private.gradient_accumulators(optimizer)
     if rows is None:
         grads = [backend.densify(g) for g in grads]
-    pairs = [
-        (g, accumulators[_private.variable_index(optimizer, v)], optimizer._accumulation_window(v))
-        for g, v in zip(grads, variables)
-    ]
-    sparse = [
-        window is not None and rows is not None and rows.sparse_entries(g) is not None
-        for g, _, window in pairs
-    ]
-    # A sparse gradient joins the window at every micro-step, the update step's included.
-    for (gradient, acc, window), is_sparse in zip(pairs, sparse):
-        if is_sparse:
-            rows.add_to_window(
-                acc, window, *rows.sparse_entries(gradient), number, cache=optimizer._backend_cache
-            )
-    sizes = [
-        rows.window_sizes(g, window, steps) if is_sparse else (None,)
-        for (g, _, window), is_sparse in zip(pairs, sparse)
-    ]
+    cache = optimizer._backend_cache
+    entries = []  # (gradient, accumulator, window, the window's sizes; None: accumulated densely)
+    for gradient, variable in zip(grads, variables):
+        acc = accumulators[_private.variable_index(optimizer, variable)]
+        window = optimizer._accumulation_window(variable)
+        sparse = None if window is None or rows is None else rows.sparse_entries(gradient)
+        sizes = None
+        if sparse is not None:
+            # A sparse gradient joins the window at every micro-step, the update step's included.
+            rows.add_to_window(acc, window, *sparse, number, cache=cache)
+            sizes = rows.window_sizes(gradient, window, steps)
+        entries.append((gradient, acc, window, sizes))
 
     def update_with(choice):
         means = []
-        for (gradient, acc, window), is_sparse, size in zip(pairs, sparse, sizes):
-            if is_sparse:
+        for gradient, acc, window, sizes in entries:
+            if sizes is not None:
                 means.append(
                     rows.window_gradient(
-                        acc,
-                        window,
-                        number,
-                        steps,
-                        gradient,
-                        size[choice],
-                        cache=optimizer._backend_cache,
+                        acc, window, number, steps, gradient, sizes[choice], cache=cache
                     )
                 )
             else:
@@ -86,19 +74,19 @@ def _accumulated_apply(optimizer, grads, variables, rows):
         _private.apply_weight_decay(optimizer, variables)
         _private.backend_update_step(optimizer, means, variables, optimizer.learning_rate)
         # Keras resets every accumulator, also of variables without a gradient at this step.
-        given = {id(acc) for _, acc, _ in pairs}
+        given = {id(acc) for _, acc, _, _ in entries}
         for acc in accumulators:
             if acc is not None and id(acc) not in given:
                 acc.assign(ops.zeros(acc.shape, acc.dtype))
 
     def accumulate():
-        for (gradient, acc, window), is_sparse in zip(pairs, sparse):
-            if not is_sparse:
+        for gradient, acc, window, sizes in entries:
+            if sizes is None:
                 acc.assign(gradient + acc)  # Keras's `g + acc`
                 if window is not None:
                     window.assign(adam_math.mark_touched(gradient, window.value, number))
 
-    bounded = [(window, size[0]) for (_, _, window), size in zip(pairs, sizes) if len(size) > 1]
+    bounded = [(w, sizes[0]) for _, _, w, sizes in entries if sizes is not None and len(sizes) > 1]
     if not bounded:
         backend.cond(is_update_step, lambda: update_with(0), accumulate)
     else:
