@@ -308,20 +308,16 @@ class DistributedEmbedding(keras.layers.Layer):
                         f"(ours or keras-rs's). Received: {feature!r}"
                     )
             table = feature.table
-            expected = getattr(feature, "output_shape", None)
-            if (
-                expected is not None
-                and table is not None
-                and tuple(expected)[-1:] != (table.embedding_dim,)
-            ):
-                raise ValueError(
-                    f"keras_tpu_optim.layers.DistributedEmbedding: feature '{feature.name}' has `output_shape="
-                    f"{tuple(expected)}`, but its table's rows are {table.embedding_dim} wide."
-                )
             if table is None or not hasattr(table, "vocabulary_size"):
                 raise ValueError(
                     f"keras_tpu_optim.layers.DistributedEmbedding: feature '{feature.name}' has no table. "
                     f"Received: table={table!r}"
+                )
+            expected = getattr(feature, "output_shape", None)
+            if expected is not None and tuple(expected)[-1:] != (table.embedding_dim,):
+                raise ValueError(
+                    f"keras_tpu_optim.layers.DistributedEmbedding: feature '{feature.name}' has `output_shape="
+                    f"{tuple(expected)}`, but its table's rows are {table.embedding_dim} wide."
                 )
             if any(table is t for t in tables):
                 continue
@@ -516,11 +512,7 @@ class DistributedEmbedding(keras.layers.Layer):
         """`{table name: its rows}` (tensors, not the variables), as keras-rs's layer returns them; with
         `lazy_adam=False`, caught up first (`catch_up`)."""
         self.catch_up()
-        return {
-            table.name: self._slice(self._grouping.groups[g].embeddings, table)
-            for table in self._tables
-            for g in [self._grouping.placement[table.name][0]]
-        }
+        return {t.name: self._slice(self._table_state(t)["embeddings"], t) for t in self._tables}
 
     def _slice(self, variable, table):
         _, offset = self._grouping.placement[table.name]

@@ -10,7 +10,7 @@ import tensorflow as tf
 from keras_tpu_optim._backend import neutral
 from keras_tpu_optim._backend.tensorflow import accumulation, rows
 from keras_tpu_optim._backend.tensorflow._compile import (
-    compiled_function,
+    compiled_where_it_helps,
     compiling_helps,
     native_variable,
     platform_of,
@@ -152,9 +152,7 @@ class _Lookup(neutral.LookupEvaluation):
         return tf.gather(table, ids, axis=axis)
 
     def compiled(self, name, function, options, cache):
-        if not compiling_helps():
-            return function
-        return compiled_function(cache, (name, options), lambda: function)
+        return compiled_where_it_helps(cache, (name, options), function)
 
     def write_rows(self, targets, ids, new_rows):
         for target, new in zip(targets, new_rows):

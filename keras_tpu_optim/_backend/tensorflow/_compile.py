@@ -37,6 +37,11 @@ def compiled_function(cache, key, make, *, xla: bool = True):
     return function
 
 
+def compiled_where_it_helps(cache, key, function):
+    """`function`, compiled with XLA (`compiled_function`) where that helps (`compiling_helps`)."""
+    return compiled_function(cache, key, lambda: function) if compiling_helps() else function
+
+
 def platform_of(variable) -> str:
     device = getattr(native_variable(variable), "device", "") or ""
     if device:

@@ -6,11 +6,7 @@ import tensorflow as tf
 
 from keras_tpu_optim import _private
 from keras_tpu_optim._math import sparse_rows
-from keras_tpu_optim._backend.tensorflow._compile import (
-    compiled_function,
-    compiling_helps,
-    native_variable,
-)
+from keras_tpu_optim._backend.tensorflow._compile import compiled_where_it_helps, native_variable
 from keras_tpu_optim._backend.tensorflow.gradients import sparse_entries as _entries
 
 
@@ -26,11 +22,8 @@ def add_to_window(accumulator, window, ids, values, number, *, cache):
     """Add the rows `values` into `accumulator` at `ids` and mark them `number` in `window`; outside XLA
     compiled with XLA (TF's scatter kernels are slow on a large table)."""
     targets = [native_variable(accumulator), native_variable(window)]
-    if compiling_helps():
-        add = compiled_function(cache, "add_to_window", lambda: _add_to_window)
-        add(ids, values, tf.cast(number, tf.int32), targets)
-    else:
-        _add_to_window(ids, values, number, targets)
+    add = compiled_where_it_helps(cache, "add_to_window", _add_to_window)
+    add(ids, values, tf.cast(number, tf.int32), targets)
 
 
 def _add_to_window(ids, values, number, targets):
@@ -63,9 +56,7 @@ def window_gradient(accumulator, window, number, steps, like, size, *, cache):
     targets = [native_variable(accumulator), native_variable(window)]
     if size is None:
         ids, real = _bucketed_window_rows(targets[1], number)
-        window_mean = _window_mean
-        if compiling_helps():
-            window_mean = compiled_function(cache, "window_mean", lambda: _window_mean)
+        window_mean = compiled_where_it_helps(cache, "window_mean", _window_mean)
         mean = window_mean(ids, real, float(steps), targets)
     else:
         ids, real = _static_window_rows(targets[1], number, size)
