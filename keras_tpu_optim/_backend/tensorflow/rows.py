@@ -45,7 +45,7 @@ def sparse_step(targets, ids, values, update_rows, *, lazy, accumulate_duplicate
     group = tf.unique(ids).idx
     if scatters_by_kernels(targets[0]):
         compute = compiled_function(
-            cache, ("row_values", structure), lambda: _compilable_rows(structure)
+            cache, ("row_values", structure), lambda: functools.partial(_row_values, structure)
         )
         _sparse_row_update(
             lambda grad_rows, *rows, ids: compute(grad_rows, rows, ids, arguments),
@@ -59,7 +59,7 @@ def sparse_step(targets, ids, values, update_rows, *, lazy, accumulate_duplicate
     update = compiled_function(
         cache,
         ("lazy_row_update", structure, accumulate_duplicates),
-        lambda: _compilable_update(structure, accumulate_duplicates),
+        lambda: functools.partial(_row_step, structure, accumulate_duplicates),
     )
     update(ids, group, values, targets, arguments)
 
@@ -91,24 +91,18 @@ def scatters_by_kernels(table) -> bool:
     return tf.as_dtype(table.dtype) in (tf.bfloat16, tf.float16) and platform_of(table) == "cpu"
 
 
-def _compilable_update(structure, accumulate_duplicates):
-    def row_step(indices, group, values, targets, arguments):
-        # No strategy here (`compiling_helps`): the tf.Variables' own scatter.
-        _sparse_row_update(
-            adam_math.RowUpdate.joined(structure, arguments),
-            indices,
-            values,
-            targets,
-            accumulate_duplicates=accumulate_duplicates,
-            group=group,
-            scatter=tf.compat.v1.scatter_update,
-        )
-
-    return row_step
+def _row_step(structure, accumulate_duplicates, indices, group, values, targets, arguments):
+    # No strategy here (`compiling_helps`): the tf.Variables' own scatter.
+    _sparse_row_update(
+        adam_math.RowUpdate.joined(structure, arguments),
+        indices,
+        values,
+        targets,
+        accumulate_duplicates=accumulate_duplicates,
+        group=group,
+        scatter=tf.compat.v1.scatter_update,
+    )
 
 
-def _compilable_rows(structure):
-    def row_values(grad_rows, rows, ids, arguments):
-        return adam_math.RowUpdate.joined(structure, arguments)(grad_rows, *rows, ids=ids)
-
-    return row_values
+def _row_values(structure, grad_rows, rows, ids, arguments):
+    return adam_math.RowUpdate.joined(structure, arguments)(grad_rows, *rows, ids=ids)
