@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import weakref
 
@@ -208,15 +209,15 @@ class _Lookup(neutral.LookupEvaluation):
     def __init__(self, cache):
         self._cache = cache
         self._scratch = scratch_of(cache)
-        # Where the forward pass gathers its rows (`_lend_rows_scratch`).
-        self._rows_scratch = self._scratch
+        self._rows_scratch = None  # where the forward pass gathers its rows
 
     def hook(self, forward, backward, ids, step, learning_rate, state, window, cache, name):
         window_before = None if window is None else window.value
-        saved = _Residuals()  # the forward pass's residuals, for the backward pass
+        # The forward pass's residuals, for the backward pass (a deque can be weakly referenced).
+        saved = collections.deque()
 
         def read(ids, step):
-            self._lend_rows_scratch(saved)
+            self._rows_scratch = self._lent_rows_scratch(saved)
             found, residuals = forward(
                 ids, step, learning_rate, [t.value for t in state], window_before
             )
@@ -229,18 +230,18 @@ class _Lookup(neutral.LookupEvaluation):
         stepping = (backward, saved, learning_rate, window_before, cache, name, count)
         return _TrainedLookup.apply(ids, step, state[0].value, stepping, read)
 
-    def _lend_rows_scratch(self, saved):
-        """Gather the forward pass's rows into the layer's scratch, kept until `saved` (the pass's residuals)
-        is emptied by its backward pass or dropped; into buffers of this call's own while an earlier pass's
-        rows wait there, or under `torch.inference_mode` (whose tensors later steps could not write).
-        (Compiled, the scratch is the call's own already.)"""
+    def _lent_rows_scratch(self, saved):
+        """The layer's scratch, lent to the forward pass whose residuals go to `saved` until its backward pass
+        empties it or it is dropped; buffers of this call's own while an earlier pass's rows wait there, or
+        under `torch.inference_mode` (whose tensors later steps could not write). (Compiled, the scratch is
+        the call's own already.)"""
         if torch.compiler.is_compiling():
-            return
+            return self._scratch
         holder = self._cache.get("rows_holder")
         if torch.is_inference_mode_enabled() or (holder is not None and holder()):
-            self._rows_scratch = rows.Scratch()
-            return
+            return rows.Scratch()
         self._cache["rows_holder"] = weakref.ref(saved)
+        return self._scratch
 
     def grouped(self, every):
         # int64 ids, which torch's gathers and scatters take (`long()` is then no copy).
@@ -286,10 +287,6 @@ class _Lookup(neutral.LookupEvaluation):
             accumulate_duplicates=accumulate_duplicates,
             scratch=self._scratch,
         )
-
-
-class _Residuals(list):
-    """A forward pass's residuals, until its backward pass takes them (a list that can be weakly referenced)."""
 
 
 def trained_lookup(*arguments, cache, **keywords):
