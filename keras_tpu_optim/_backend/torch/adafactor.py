@@ -51,15 +51,11 @@ class TorchEvaluation(adafactor_math.Evaluation):
         return self.sum(square.mul_(weights), axis)
 
 
-def _float32(x):
-    return x if x.dtype == torch.float32 else x.to(torch.float32)
-
-
 class _Float32Blocks(blocks.Blocked):
     """`blocks.Blocked`, each block read in float32 (a bfloat16 variable is not copied whole)."""
 
     def _blocks(self, sums, axes, *operands):
-        return super()._blocks(lambda *parts: sums(*map(_float32, parts)), axes, *operands)
+        return super()._blocks(lambda *parts: sums(*(p.float() for p in parts)), axes, *operands)
 
 
 # Elements of a block (4 MiB of float32): small enough that the allocator reuses a block's few
@@ -86,7 +82,7 @@ def blocked_step(
     shape = tuple(param.shape)
     evaluation = _Float32Blocks(shape, TorchEvaluation(), chunk_elements=chunk_elements)
     if len(slots) == 1:  # the unfactored statistics are elementwise, and as big as the variable
-        grad = _float32(grad)
+        grad = grad.float()
     step = step.to(param.device)
     result = adafactor_math.preconditioned(
         grad,
@@ -105,7 +101,7 @@ def blocked_step(
         part = [blocks.part(x, span, rows) for x in (grad, param, momentum)]
         factors = [blocks.part(factor, span, rows) for factor in result.factors]
         delta, new_momentum = adafactor_math.elementwise_update(
-            _float32(part[0]), factors, part[2], options
+            part[0].float(), factors, part[2], options
         )
         adafactor_math.write_back(
             part[1],
@@ -158,7 +154,7 @@ def grouped_step(members, *, step, scalars, options, axes, indices=None) -> None
     `scalars` on their device, `indices` their int32 positions in the optimizer (stochastic rounding's keys)."""
     first = members[0]
     params = [m.param for m in members]
-    grads = _float32(torch.stack([m.grad for m in members]))
+    grads = torch.stack([m.grad for m in members]).float()
     slots = [[m.slots[i] for m in members] for i in range(len(first.slots))]
     result = adafactor_math.preconditioned(
         grads,
