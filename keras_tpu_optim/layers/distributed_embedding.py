@@ -516,8 +516,7 @@ class DistributedEmbedding(keras.layers.Layer):
 
     def _slice(self, variable, table):
         _, offset = self._grouping.placement[table.name]
-        value = variable.value if hasattr(variable, "value") else variable
-        return value[offset : offset + table.vocabulary_size]
+        return variable.value[offset : offset + table.vocabulary_size]
 
     def _table_state(self, table):
         """`{name: variable}` of a table's group saved per table: its `table_state()` (the stacked table, its
