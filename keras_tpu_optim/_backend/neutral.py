@@ -125,7 +125,7 @@ def dense_row_update(update_rows, gradient, variable, slots):
         target.assign(value)
 
 
-class LookupEvaluation:
+class LookupEvaluation(catch_up.Evaluation):
     """How a backend evaluates `trained_lookup`: its autograd hook, and its forms of the steps' gathers,
     groupings and writes (here the neutral forms, in `keras.ops`)."""
 
@@ -151,15 +151,10 @@ class LookupEvaluation:
         group = sparse_rows.id_ranks(every)
         return (group, *sparse_rows.distinct_ids(every, group))
 
-    def gather(self, table, ids, axis=0):
-        return ops.take(table, ids, axis=axis)
-
     def table_rows(self, tables, ids):
         """The rows `ids` of each of `tables`, the catch-up's own (it updates them in place where tensors are
         mutable) until the backward pass has stepped them."""
         return [self.gather(t, ids) for t in tables]
-
-    segment_sum = staticmethod(ops.segment_sum)
 
     def compiled(self, name, function, options, cache):
         """`function`, or its compiled form where the backend compiles it."""
@@ -241,13 +236,13 @@ def trained_lookup(
             return write, ops.reshape(ids, (-1,)), not lazy, None
 
     else:
-        caught_up = functools.partial(catch_up.looked_up, options=options, gather=ev.gather)
+        caught_up = functools.partial(catch_up.looked_up, options=options, evaluation=ev)
 
         def stepped(residuals, row_gradients, learning_rate, step, window):
             distinct, new_rows = catch_up.stepped_rows(
-                residuals, row_gradients, learning_rate, step, options, segment_sum=ev.segment_sum
+                residuals, row_gradients, learning_rate, step, options, ev
             )
-            return new_rows, catch_up.advanced_window(window, learning_rate, step, options)
+            return new_rows, catch_up.advanced_window(window, learning_rate, step, options, ev)
 
         def forward(ids, step, learning_rate, tables, window):
             # A row looked up for an id past the table steps with a zero gradient: ordinary Adam's step.

@@ -87,11 +87,23 @@ def plan(beta_1: float, beta_2: float, sum_inside_sqrt: bool, window: int) -> Pl
     return Plan(window, terms, increments.astype(np.float32), powers.astype(np.float32))
 
 
+class Evaluation:
+    """How the catch-up's gathers, its plan's constants and the sums of duplicate ids' gradients are evaluated:
+    in `keras.ops` here; a backend's lookup evaluation (`_backend.neutral.LookupEvaluation`) in its own way."""
+
+    gather = staticmethod(ops.take)  # `(x, indices, axis=0)`
+    constant = staticmethod(ops.convert_to_tensor)  # a numpy array of the plan
+    segment_sum = staticmethod(ops.segment_sum)
+
+
+NEUTRAL = Evaluation()
+
+
 def options_plan(options) -> Plan:
     return plan(options.beta_1, options.beta_2, options.sum_inside_sqrt, options.catch_up_window)
 
 
-def advanced_window(window, learning_rate, step, options):
+def advanced_window(window, learning_rate, step, options, evaluation=NEUTRAL):
     """The window after step `step + 1`: shifted, its decay kept as a sum of logarithms and subtracted from the
     sums, plus the step's terms (docs/algorithms.md#ordinary-adam-at-the-cost-of-the-rows-looked-up)."""
     plan_ = options_plan(options)
@@ -107,24 +119,24 @@ def advanced_window(window, learning_rate, step, options):
         logs, sums = kept[:1], kept[1:]
         kept = ops.concatenate([logs + ops.log1p(-decay), sums - decay * sums])
     shifted = ops.concatenate([ops.zeros((plan_.terms + 1, 1)), kept], axis=1)
-    shifted += rate * ops.convert_to_tensor(plan_.increments)
+    shifted += rate * evaluation.constant(plan_.increments)
     return shifted
 
 
-def caught_up(weight, momenta, velocities, row_steps, step, window, options, *, gather=ops.take):
+def caught_up(weight, momenta, velocities, row_steps, step, window, options, evaluation=NEUTRAL):
     """Float32 rows `(weight, momenta, velocities)` brought from their `row_steps` to `step` (at most the
     window behind) by Adam's steps with a zero gradient; weight clipping is applied once, at the end. A
-    current row (`E = 1`, `C = 0`) keeps its bits. `gather(x, indices, axis)`: the backend's `ops.take`.
+    current row (`E = 1`, `C = 0`) keeps its bits.
 
     The rows are updated in place where tensors are mutable (torch), as are the products made here, sparing
     the step a row-sized allocation each: callers pass rows of their own (gathered, or copied)."""
     plan_ = options_plan(options)
     behind = ops.cast(ops.cast(step, "float32") - ops.cast(row_steps, "float32"), "int32")
     behind = ops.clip(behind, 0, plan_.window)
-    # One gather of each row's `log E`, `C_n` and `beta_i^d`: `picked[k]` broadcasts against the rows.
-    columns = ops.concatenate([window, ops.convert_to_tensor(plan_.powers)], axis=0)
-    picked = gather(columns, behind, axis=1)
-    picked = picked[(...,) + (None,) * (len(weight.shape) - 1)]
+    # Each row's `log E` and `C_n`, then `beta_i^d`: `picked[k]` and `decays[i]` broadcast against the rows.
+    rows_axes = (...,) + (None,) * (len(weight.shape) - 1)
+    picked = evaluation.gather(window, behind, axis=1)[rows_axes]
+    decays = evaluation.gather(evaluation.constant(plan_.powers), behind, axis=1)[rows_axes]
     # The step is `m / denominator` times the series in `z`: `eps / (sqrt(v) + eps)`, or
     # `eps^2 / (v + eps^2)` inside the square root.
     divisor = adam_math.denominator(velocities, options)
@@ -150,8 +162,8 @@ def caught_up(weight, momenta, velocities, row_steps, step, window, options, *, 
     moved /= divisor
     weight -= moved
     weight = adam_math.clip_between(weight, options.clip_weight_min, options.clip_weight_max)
-    decay_2 = adam_math.per_row(picked[-1], velocities) if rowwise else picked[-1]
-    momenta *= picked[-2]
+    decay_2 = adam_math.per_row(decays[1], velocities) if rowwise else decays[1]
+    momenta *= decays[0]
     velocities *= decay_2
     return weight, momenta, velocities
 
@@ -187,28 +199,26 @@ def read_ids(ids, step, rows: int, options):
     return ops.concatenate([swept, flat], axis=0)
 
 
-def looked_up(tables, ids, group, distinct, slot, step, window, options, *, gather):
+def looked_up(tables, ids, group, distinct, slot, step, window, options, evaluation):
     """The forward pass of a training lookup: `(rows, residuals)`, the weights at `ids` as ordinary Adam has
     them at `step`, and what `stepped_rows` takes. `tables` are the rows `distinct` (`sparse_rows.distinct_ids`
     of `read_ids(ids, ...)` numbered by `group`; `slot` None: one per group) of `(weight, momenta, velocities,
-    row_steps)`, each caught up once; `gather(x, indices, axis=0)`: the backend's `ops.take`."""
+    row_steps)`, each caught up once."""
     weight, momenta, velocities, row_steps = tables
     rows = (ops.cast(x, "float32") for x in (weight, momenta, velocities))
-    rows = caught_up(*rows, row_steps, step, window, options, gather=gather)
+    rows = caught_up(*rows, row_steps, step, window, options, evaluation)
     # The lookup's ids are the last of `every` (`read_ids`); their count from the shape (`ops.size` would be
     # read back from a device).
     count = math.prod(ops.shape(ids))
-    found = gather(rows[0], group[ops.shape(group)[0] - count :])
+    found = evaluation.gather(rows[0], group[ops.shape(group)[0] - count :])
     found = ops.cast(ops.reshape(found, ops.shape(ids) + tuple(weight.shape[1:])), weight.dtype)
     return found, (distinct, group, slot, rows + (row_steps,))
 
 
-def stepped_rows(
-    residuals, row_gradients, learning_rate, step, options, *, segment_sum=ops.segment_sum
-):
+def stepped_rows(residuals, row_gradients, learning_rate, step, options, evaluation):
     """The backward pass of `looked_up`: `(distinct, new rows)`, the distinct rows' `(weight, momenta,
     velocities, row_steps)` after step `step + 1` (float32), for the backend to scatter. Duplicate ids'
-    gradients are summed (`segment_sum`, as `ops.segment_sum`); swept rows take a zero gradient."""
+    gradients are summed; swept rows take a zero gradient."""
     distinct, group, slot, (*rows, row_steps) = residuals
     row_shape = tuple(rows[0].shape[1:])
     values = ops.reshape(ops.cast(row_gradients, "float32"), (-1,) + row_shape)
@@ -216,7 +226,7 @@ def stepped_rows(
     swept = ops.shape(group)[0] - ops.shape(values)[0]
     # Without `slot`, one entry per group; with it, static shapes: as many as ids, picked by `slot`.
     segments = ops.shape(distinct)[0]
-    sums = segment_sum(values, group[swept:], num_segments=segments)
+    sums = evaluation.segment_sum(values, group[swept:], num_segments=segments)
     if slot is not None:
         sums = ops.take(sums, slot, axis=0)
     # Every row is current at `step` now. Written from the gathered counts, not as a broadcast: XLA copies a

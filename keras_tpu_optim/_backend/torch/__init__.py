@@ -251,6 +251,15 @@ class _Lookup(neutral.LookupEvaluation):
     def gather(self, table, ids, axis=0):
         return table.index_select(axis, ids.long())
 
+    def constant(self, array):
+        # Converted once for the layer (the plan keeps its arrays): Keras copies a numpy array it converts.
+        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+            return ops.convert_to_tensor(array)
+        held = self._cache.setdefault("constants", {})
+        if id(array) not in held:
+            held[id(array)] = (array, ops.convert_to_tensor(array))
+        return held[id(array)][1]
+
     def table_rows(self, tables, ids):
         ids = ids.long()
         return [
