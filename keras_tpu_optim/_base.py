@@ -35,8 +35,15 @@ class OptimizerBase(keras.optimizers.Optimizer):
     callable `learning_rate` saved by its registered name (loads with `safe_mode=True`); a saved state
     signature checked on load; `skip_nonfinite_updates` (a step with a NaN/Inf gradient changes nothing)."""
 
-    # The subclass's own hyperparameters: plain attributes, as on Keras's optimizers, checked when set.
+    # The subclass's own hyperparameters: plain attributes, as on Keras's optimizers, checked when set by its
+    # `_checked_hyperparameters(values)`; its `_decides_state(name, value)`: whether that changes the slots.
     _HYPERPARAMETERS: frozenset = frozenset()
+    # Roles of state a saved state may lack: the subclass's `_fill_missing_state` derives them.
+    _OPTIONAL_STATE_ROLES: frozenset = frozenset()
+    # Whether `_make_state` can run in `_slots.planning`, to check the layouts before creating anything.
+    _plans_slots = True
+    # Whether `gradient_accumulation_steps` accumulates the rows of sparse gradients in place (subclasses).
+    _accumulates_rows = False
 
     def __init__(self, skip_nonfinite_updates=False, **kwargs):
         _backend.get()  # A backend we do not support: refused here.
@@ -68,14 +75,6 @@ class OptimizerBase(keras.optimizers.Optimizer):
             setattr(self, name, value)
         self._hyperparameters_set = True
 
-    def _checked_hyperparameters(self, values: dict) -> dict:
-        """Every hyperparameter's value, checked together (a `ValueError` naming the argument), normalised."""
-        return values
-
-    def _decides_state(self, name: str, value) -> bool:
-        """Whether setting `name` to `value` would change the optimizer's state (its slots)."""
-        return False
-
     def build(self, var_list):
         """Check the variables, build Keras's state, then each variable's (`_make_state`)."""
         if self.built:
@@ -99,15 +98,6 @@ class OptimizerBase(keras.optimizers.Optimizer):
             _slots.record_keras_roles(self)
             self._platforms = [backend.platform_of(v) for v in var_list]
             self._states = [self._make_state(v) if s else None for v, s in zip(var_list, stateful)]
-
-    @property
-    def _plans_slots(self) -> bool:
-        """Whether `_make_state` can run in `_slots.planning`, to check the layouts before creating anything."""
-        return True
-
-    def _make_state(self, variable) -> VariableState:
-        """Create the optimizer's state for one model variable (subclasses)."""
-        raise NotImplementedError
 
     def _state_of(self, variable) -> VariableState:
         return self._states[_private.variable_index(self, variable)]
@@ -183,11 +173,6 @@ class OptimizerBase(keras.optimizers.Optimizer):
         )
         return None
 
-    @property
-    def _accumulates_rows(self) -> bool:
-        """Whether `gradient_accumulation_steps` accumulates the rows of sparse gradients in place (subclasses)."""
-        return False
-
     def _backend_apply_gradients(self, grads, trainable_variables):
         # Keras's hook (_private.ACCUMULATION_HOOK), replaced under `gradient_accumulation_steps` only.
         _accumulation.apply_gradients(
@@ -235,10 +220,6 @@ class OptimizerBase(keras.optimizers.Optimizer):
         """Bring every stored EMA up to date (subclasses that update it lazily); a no-op here."""
         return
 
-    def _optional_state_roles(self) -> frozenset:
-        """Roles of state a saved state may lack: the subclass's `_fill_missing_state` derives them."""
-        return frozenset()
-
     def save_own_variables(self, store):
         self.catch_up_moving_averages()
         for variable in self.variables:
@@ -277,7 +258,7 @@ class OptimizerBase(keras.optimizers.Optimizer):
             return
         current = _saving.describe_state(self)
         # State this version derives when the saved one lacks it (e.g. written before it existed).
-        lacking = self._optional_state_roles() - {entry["role"] for entry in signature["variables"]}
+        lacking = self._OPTIONAL_STATE_ROLES - {entry["role"] for entry in signature["variables"]}
         missing = [i for i, entry in enumerate(current["variables"]) if entry["role"] in lacking]
         kept = [i for i in range(len(current["variables"])) if i not in missing]
         matched = dict(current, variables=[current["variables"][i] for i in kept])

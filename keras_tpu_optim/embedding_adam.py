@@ -281,6 +281,7 @@ class EmbeddingAdam(OptimizerBase):
         self._set_hyperparameters(hyperparameters)
 
     _HYPERPARAMETERS = frozenset(_HYPERPARAMETERS)
+    _OPTIONAL_STATE_ROLES = frozenset({"average_steps", WINDOW_ROLE})
 
     def _checked_hyperparameters(self, values):
         _check_arguments(values, getattr(self, "weight_decay", None))
@@ -290,7 +291,7 @@ class EmbeddingAdam(OptimizerBase):
         return name in _STATE_DEFINING
 
     def _table_state_plan(self) -> tuple:
-        """The state kept beside a table, in the row update's order (`_row_update_options().slot_names`):
+        """The state kept beside a table, in the order `row_update` takes it:
         `(name, the table's axes it keeps (None: all), dtype)`. The optimizer's slots for a table, and the
         state `kto.layers.Embedding` creates beside its own."""
         plan = (
@@ -307,7 +308,7 @@ class EmbeddingAdam(OptimizerBase):
         return self.slot_variable_creation_fn is None
 
     def _make_state(self, variable) -> VariableState:
-        """A table's slots, in the order of `_row_update_options().slot_names` (the row update reads them so)."""
+        """A table's slots, in the order `row_update` reads them."""
         plan, slots = self._table_state_plan(), ()
         if self.slot_variable_creation_fn is not None:  # it makes `momenta` and `velocities`
             plan, slots = plan[2:], self._create_slots_with_user_fn(variable)
@@ -345,7 +346,7 @@ class EmbeddingAdam(OptimizerBase):
         return [(v, a, s.slots[-1]) for v, s, a in states if s is not None and a is not None]
 
     def _row_slots(self, variable) -> tuple:
-        """The slots the row paths gather with the table, in the order of `_row_update_options().slot_names`."""
+        """The slots the row paths gather with the table, in the order `row_update` reads them."""
         slots = self._state_of(variable).slots
         if self._lazy_ema:
             slots += (_private.moving_averages(self)[_private.variable_index(self, variable)],)
@@ -397,9 +398,6 @@ class EmbeddingAdam(OptimizerBase):
         # Keras's hook (_private.EMA_HOOKS). Inside `apply` every row is already caught up (above).
         self.catch_up_moving_averages()
         return super()._overwrite_model_variables_with_average_value(trainable_variables)
-
-    def _optional_state_roles(self) -> frozenset:
-        return frozenset({"average_steps", WINDOW_ROLE})
 
     def _fill_missing_state(self, variables) -> None:
         for variable in variables:

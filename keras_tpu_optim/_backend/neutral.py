@@ -132,10 +132,9 @@ class LookupEvaluation(catch_up.Evaluation):
     def hook(self, forward, backward, ids, step, learning_rate, state, window, cache, name):
         """The looked-up rows, `forward`'s, and a float32 zero, with `backward` run in the lookup's backward
         pass on their gradients (the rows', then the zero's: the loss's scale; `cache`, `name`: the layer's);
-        `backward` returns the new tables (None: written in place), the new
-        window and the next value of `iterations`, its gradient. The `targets` the backward pass writes are
-        the layer's variables where state is written in place (TF, torch; the default), their values where
-        it is not (JAX)."""
+        `backward` returns the new tables (None: written in place), the new window and the next value of
+        `iterations`, its gradient. The `targets` the backward pass writes are the layer's variables where
+        state is written in place (TF, torch; the default), their values where it is not (JAX)."""
         raise NotImplementedError
 
     def write_in_place(self, variable, value):

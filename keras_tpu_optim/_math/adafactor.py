@@ -59,12 +59,8 @@ class AdafactorOptions:
         set_("seed", seed)
 
     def factored_axes(self, shape) -> Optional[tuple[int, int]]:
-        """`(a, b)`: row statistics are means over axis `b`, column statistics over `a`; None if unfactored.
-
-        `"two_largest"` follows optax's `scale_by_factored_rms` (`b` the
-        largest axis, ties towards the later axis); factored only if both are
-        at least `min_dim_size_to_factor`.
-        """
+        """`(a, b)`: row statistics are means over axis `b`, column statistics over `a`; None if unfactored
+        (docs/algorithms.md#which-variables-are-factored)."""
         rank = len(shape)
         if rank < 2:
             return None
@@ -73,12 +69,8 @@ class AdafactorOptions:
             a, b = by_size[-2], by_size[-1]
         else:
             a, b = rank - 2, rank - 1
-        if (
-            self.min_dim_size_to_factor is not None
-            and min(shape[a], shape[b]) < self.min_dim_size_to_factor
-        ):
-            return None
-        return a, b
+        size = self.min_dim_size_to_factor
+        return None if size is not None and min(shape[a], shape[b]) < size else (a, b)
 
     def to_config(self) -> dict:
         return dataclasses.asdict(self)

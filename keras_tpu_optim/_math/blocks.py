@@ -36,7 +36,8 @@ def part(x, span, rows: int):
 
 class Blocked(adafactor_math.Evaluation):
     """Adafactor's sums, `inner`'s on each block of the leading axis, added where they reduce that axis;
-    `after(previous)`: the context a block's sums are built in (a backend's ordering)."""
+    `after(previous)`: the context a block's sums are built in, after `previous` (a list: the last block's
+    first sum, none for the first block), a backend's ordering."""
 
     def __init__(
         self, shape, inner=adafactor_math.NEUTRAL, after=None, chunk_elements: int = CHUNK_ELEMENTS
@@ -47,12 +48,12 @@ class Blocked(adafactor_math.Evaluation):
         self.after = after
 
     def _blocks(self, sums, axes, *operands):
-        results, previous = [], None
+        results, previous = [], []
         for span in self.spans:
             with contextlib.nullcontext() if self.after is None else self.after(previous):
                 block = sums(*(part(x, span, self.rows) for x in operands))
             results.append(block)
-            previous = block[0]
+            previous = [block[0]]
         if len(results) == 1:
             return results[0]
         return tuple(

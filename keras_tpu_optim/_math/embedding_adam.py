@@ -47,13 +47,6 @@ class RowUpdateOptions:
     stochastic_rounding: bool = False
     seed: int = 0
 
-    @property
-    def adam_slot_names(self) -> tuple:
-        """The slots `row_update` takes and returns after the weights, in order."""
-        return ("momenta", "velocities") + (
-            ("row_steps",) if self.bias_correction == "per_row" else ()
-        )
-
 
 # The options a compiled row update takes as arguments (`options_math`). The betas stay static: the
 # per-row bias correction takes their logarithms in float64.
@@ -143,12 +136,8 @@ def row_update(
 
 def ema_catch_up(weight, average, average_steps, count, options: RowUpdateOptions):
     """The EMA after `count` Keras EMA updates of rows whose weights are constant since their average
-    reflected `average_steps` (`[rows]`) updates.
-
-    Keras's update `e`: `average = mu_e * average + (1 - mu_e) * w`, `mu_e = 0` (a copy) for the first
-    `ema_copy_updates`. So a row has `w + momentum^(count - average_steps) * (average - w)`, or `w` if
-    one of those updates was a copy; rows already at `count` keep their average bit for bit.
-    """
+    reflected `average_steps` (`[rows]`) updates: `w + momentum^(count - average_steps) * (average - w)`, or
+    `w` after a copy (docs/algorithms.md#lazy-ema); rows already at `count` keep their average bit for bit."""
     steps = ops.cast(average_steps, "int32")
     count = ops.cast(count, "int32")
     behind = ops.cast(ops.maximum(count - steps, 0), "float32")
@@ -239,10 +228,10 @@ def update_rows_in_float32(
     variable_index=0,
     ids=None,
 ):
-    """`row_update` on rows of any dtype, in float32, and the lazy EMA's (`ema_step`): the slots are
-    `options.slot_names`'. The table and its moments are stored as `stored` says (`step`,
-    `variable_index`, `ids`: its key)."""
-    adam_extra = extra_slots[: len(options.adam_slot_names) - 2]
+    """`row_update` on rows of any dtype, in float32, and the lazy EMA's (`ema_step`): the slots after the
+    velocities are `row_steps` (per-row bias correction), then `average_steps` and the average (lazy EMA).
+    The table and its moments are stored as `stored` says (`step`, `variable_index`, `ids`: its key)."""
+    adam_extra = extra_slots[: int(options.bias_correction == "per_row")]
     rows = (ops.cast(x, "float32") for x in (grad, weight, momenta, velocities))
     new_values = row_update(*rows, learning_rate, options, *adam_extra)
     old = (weight, momenta, velocities, *adam_extra)

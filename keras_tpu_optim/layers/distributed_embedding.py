@@ -373,8 +373,6 @@ class DistributedEmbedding(keras.layers.Layer):
         self.built = True
 
     def _check_shape(self, feature, shape):
-        if shape is None:
-            return
         if len(shape) not in (1, 2):
             raise ValueError(
                 f"keras_tpu_optim.layers.DistributedEmbedding: feature '{feature.name}' must have ids of shape "

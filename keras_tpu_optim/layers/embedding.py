@@ -146,8 +146,7 @@ class Embedding(keras.layers.Embedding):
     def __init__(self, input_dim, output_dim, *args, optimizer=None, **kwargs):
         self._table_optimizer = _check_optimizer(optimizer)
         # Not state: kept out of Keras's tracking. The cache: what the backend keeps for the lookup.
-        self.__dict__["_last_lookup_trace"] = None
-        self.__dict__["_backend_cache"] = {}
+        self.__dict__.update(_last_lookup_trace=None, _backend_cache={})
         if self._table_optimizer is not None:
             for argument in (
                 "embeddings_regularizer",
@@ -186,11 +185,9 @@ class Embedding(keras.layers.Embedding):
         self._embeddings = self.add_weight(
             shape=table, initializer=self.embeddings_initializer, name="embeddings", **state
         )
-        zeros = dict(
-            initializer="zeros", dtype="float32", autocast=False, aggregation="only_first_replica"
-        )
+        zeros = dict(state, initializer="zeros", dtype="float32")
         self.iterations = self.add_weight(
-            shape=(), name="iterations", trainable=True, overwrite_with_gradient=True, **zeros
+            shape=(), name="iterations", **dict(zeros, trainable=True, overwrite_with_gradient=True)
         )
         # The state EmbeddingAdam keeps beside a table; `row_steps` below.
         for name, axes, dtype in self._table_optimizer._table_state_plan()[:2]:
@@ -217,11 +214,7 @@ class Embedding(keras.layers.Embedding):
         if terms:
             window = catch_up_math.window_size(self.input_dim, self.output_dim, terms)
             self.catch_up_sums = self.add_weight(  # every row current: `log E = 0`, `C = 0`
-                shape=(terms + 1, window + 1),
-                initializer="zeros",
-                name="catch_up_sums",
-                dtype="float32",
-                **state,
+                shape=(terms + 1, window + 1), name="catch_up_sums", **zeros
             )
         self.built = True
 
@@ -259,11 +252,9 @@ class Embedding(keras.layers.Embedding):
         return found and found[0]
 
     def _row_state(self):
-        """The table and its slots, in the order of the row update's `options.slot_names`."""
-        slots = (self.momenta, self.velocities) + (
-            () if self.row_steps is None else (self.row_steps,)
-        )
-        return (self._embeddings,) + slots
+        """The table and its slots, in the order `row_update` reads them."""
+        state = (self._embeddings, self.momenta, self.velocities)
+        return state if self.row_steps is None else state + (self.row_steps,)
 
     def _row_update_arguments(self, step):
         """`(learning_rate, options)` of the row update after `step` updates (`adam_math.RowUpdate`)."""
@@ -282,10 +273,8 @@ class Embedding(keras.layers.Embedding):
                     f"keras_tpu_optim.layers.Embedding: its optimizer's `{name}` decides the table's slots, which "
                     f"are built: set it before the layer is built. Received: {name}={getattr(optimizer, name)!r}"
                 )
-        if (self.catch_up_sums is None) != (self._catch_up_terms() is None) or (
-            self.catch_up_sums is not None
-            and self.catch_up_sums.shape[0] != self._catch_up_terms() + 1
-        ):
+        built_terms = None if self.catch_up_sums is None else self.catch_up_sums.shape[0] - 1
+        if built_terms != self._catch_up_terms():
             raise ValueError(
                 "keras_tpu_optim.layers.Embedding: its optimizer's `lazy_adam`, `beta_1`, `beta_2` and "
                 "`sum_inside_sqrt` decide the table's catch-up state, which is built: set them before the layer "

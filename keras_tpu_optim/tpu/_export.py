@@ -63,13 +63,10 @@ def check_options(optimizer, engine: str, *engine_refusals) -> None:
             "tell which variables are excluded. Export an optimizer without exclusions for the "
             "tables to decay, and one without `weight_decay` for the others."
         )
+    defaults = dict(momentum_dtype="float32", velocity_dtype="float32", stochastic_rounding=False)
     half = [
         f"{name}={getattr(o, name)!r}"
-        for name, default in (
-            ("momentum_dtype", "float32"),
-            ("velocity_dtype", "float32"),
-            ("stochastic_rounding", False),
-        )
+        for name, default in defaults.items()
         if getattr(o, name) != default
     ]
     if half:

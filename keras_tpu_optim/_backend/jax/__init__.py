@@ -143,7 +143,7 @@ def adafactor_step(
     """The neutral step with the platform's evaluation, as one `jax.jit` per options (inlined where traced)."""
     structure, values = adafactor_math.split_options(options)
     update = _adafactor_update(structure, adafactor_evaluation(platform))
-    new_variable, new_slots, new_momentum = update(
+    new_values = update(
         densify(gradient),
         variable.value,
         tuple(s.value for s in state.slots),
@@ -153,17 +153,15 @@ def adafactor_step(
         variable_index,
         {name: ops.convert_to_tensor(value, "float32") for name, value in values.items()},
     )
-    variable.assign(new_variable)
-    for slot, value in zip(state.slots, new_slots):
-        slot.assign(value)
-    if state.momentum is not None:
-        state.momentum.assign(new_momentum)
+    # The momentum last: without one, the values stop before it.
+    for target, value in zip((variable, *state.slots, state.momentum), new_values):
+        target.assign(value)
 
 
 @functools.cache
 def _adafactor_update(structure, evaluation):
     """`(gradient, variable, slots, momentum, learning_rate, step, variable_index, option_values)` -> the new
-    `(variable, slots, momentum)`, compiled once per shape and options' structure (`split_options`)."""
+    `(variable, *slots, momentum)` (momentum None: left out), compiled once per shape and options' structure."""
 
     def adafactor_values(*arguments):
         new = {}  # The neutral step, functionally: each array's new value by its identity.
@@ -174,11 +172,7 @@ def _adafactor_update(structure, evaluation):
             evaluation=evaluation,
             assign=lambda t, value: new.__setitem__(id(t), value),
         )
-        return (
-            new[id(variable)],
-            tuple(new[id(s)] for s in slots),
-            None if momentum is None else new[id(momentum)],
-        )
+        return tuple(new[id(t)] for t in (variable, *slots, momentum) if t is not None)
 
     return jax.jit(adafactor_values)
 
@@ -189,7 +183,6 @@ def embedding_adam_step(
     if not lazy:
         neutral.dense_row_update(update_rows, densify(gradient), variable, slots)
         return
-    num_rows = variable.shape[0]
     if isinstance(gradient, jax_sparse.BCOO):
         # The rows a BCOO names are the touched rows, as a tf.IndexedSlices' indices.
         path = ("sparse", accumulate_duplicates)
@@ -197,7 +190,7 @@ def embedding_adam_step(
         if concrete(entries[0]):
             entries = sparse_rows.padded(*entries)
     else:
-        path = ("dense", min(num_rows, max_touched_rows or 4096))
+        path = ("dense", min(variable.shape[0], max_touched_rows or 4096))
         entries = (gradient,)
     targets = (variable, *slots)
     structure, arguments = update_rows.split()
@@ -271,10 +264,8 @@ class _Lookup(neutral.LookupEvaluation):
                 update_rows, ids, values, targets, accumulate_duplicates=accumulate_duplicates
             )
         else:
-            gradient = (
-                jax.numpy.zeros(targets[0].shape, values.dtype).at[ids].add(values, mode="drop")
-            )
-            new_tables = update_rows(gradient, *targets)
+            zeros = jax.numpy.zeros(targets[0].shape, values.dtype)
+            new_tables = update_rows(zeros.at[ids].add(values, mode="drop"), *targets)
         return tuple(new.astype(t.dtype) for new, t in zip(new_tables, targets))
 
 

@@ -60,11 +60,8 @@ def lazy_row_update(update_rows, gradient, tables, *, capacity):
         tables = tuple(scatter(t, ids, r) for t, r in zip(tables, new_rows))
         return done + capacity, clear_through(left, ids[capacity - 1]), tables
 
-    def rows_left(state):
-        return state[0] < count
-
     _, _, new_tables = jax.lax.while_loop(
-        rows_left, update_round, (jnp.int32(0), touched, tuple(tables))
+        lambda state: state[0] < count, update_round, (jnp.int32(0), touched, tuple(tables))
     )
     return new_tables
 

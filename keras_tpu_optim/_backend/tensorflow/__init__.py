@@ -44,8 +44,7 @@ def state_creation_scope():
 
 
 def _not_lifted(next_creator, **kwargs):
-    kwargs["experimental_enable_variable_lifting"] = False
-    return next_creator(**kwargs)
+    return next_creator(**dict(kwargs, experimental_enable_variable_lifting=False))
 
 
 def embedding_adam_step(

@@ -32,8 +32,7 @@ def compiled_function(cache, key, make, *, xla: bool = True):
         # No autograph: the bodies are keras.ops code without Python control flow on tensors (JAX
         # traces the same code), and converting them took a large share of every trace.
         kind = {"jit_compile": True} if xla else {"experimental_attributes": {"_noinline": True}}
-        function = tf.function(make(), autograph=False, **kind)
-        functions[key] = function
+        function = functions[key] = tf.function(make(), autograph=False, **kind)
     return function
 
 

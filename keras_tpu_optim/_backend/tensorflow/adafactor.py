@@ -26,10 +26,8 @@ _FOLDS = 8
 
 
 def _ones_like_row(x):
-    """A `[..., m]` vector of ones XLA cannot fold into a constant (which it would turn back into a reduction).
-
-    Exactly 1 unless `x`'s first row holds a NaN, when every sum is NaN anyway.
-    """
+    """A `[..., m]` vector of ones XLA cannot fold into a constant (which it would turn back into a reduction):
+    exactly 1 unless `x`'s first row holds a NaN, when every sum is NaN anyway."""
     return ops.sign(ops.abs(x[..., 0, :]) + 1.0)
 
 
@@ -118,9 +116,8 @@ def adafactor_step(gradient, variable, state, *, platform, cache, **numbers):
             gradient, variable, state.slots, state.momentum, evaluation=evaluation, **numbers
         )
         return
-    learning_rate, step, options = numbers["learning_rate"], numbers["step"], numbers["options"]
     # The options' numbers are arguments: one trace serves every value of them.
-    structure, option_values = adafactor_math.split_options(options)
+    structure, option_values = adafactor_math.split_options(numbers["options"])
     blocked = platform == "cpu" and keras.backend.standardize_dtype(variable.dtype) == "float32"
     evaluation = None if blocked else evaluation
     update = compiled_function(
@@ -136,8 +133,8 @@ def adafactor_step(gradient, variable, state, *, platform, cache, **numbers):
                 native_variable(variable),
                 tuple(native_variable(s) for s in state.slots),
                 None if state.momentum is None else native_variable(state.momentum),
-                tf.convert_to_tensor(learning_rate),
-                tf.convert_to_tensor(step),
+                tf.convert_to_tensor(numbers["learning_rate"]),
+                tf.convert_to_tensor(numbers["step"]),
                 # A tensor, so that one trace serves every variable of a shape.
                 tf.constant(numbers["variable_index"], tf.int32),
                 {name: tf.constant(value, tf.float32) for name, value in option_values.items()},
@@ -163,7 +160,7 @@ def assigning_step(
     returns a tensor ready once they are done."""
     if evaluation is None:
         evaluation = blocks.Blocked(
-            tuple(variable.shape), GRAPH_CPU_EVALUATION, _after, chunk_elements
+            tuple(variable.shape), GRAPH_CPU_EVALUATION, tf.control_dependencies, chunk_elements
         )
     # Each variable's own assignment: the compiled function returns once they have run (its stateful ops
     # are its control outputs).
@@ -178,11 +175,6 @@ def assigning_step(
         assign_sub=tf.compat.v1.assign_sub,
     )
     return tf.zeros([])
-
-
-def _after(dependency):
-    """Build the next ops after `dependency` (a tensor, or None: no ordering)."""
-    return tf.control_dependencies([] if dependency is None else [dependency])
 
 
 # The last step built in each graph: the next variable's step is ordered after it.
